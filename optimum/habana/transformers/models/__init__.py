@@ -1,0 +1,4 @@
+from .llama import GaudiLlamaForCausalLM
+
+
+__all__ = ["GaudiLlamaForCausalLM"]

