@@ -14,7 +14,7 @@ from torch import nn
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from ..kernels.fused_sdpa import FusedSDPAUnavailable, fused_sdpa, warn_once
+from ..kernels.dispatch import FusedSDPAUnavailable, fused_sdpa, warn_once
 from .attention_flags import ATTENTION_FLAG_NAMES, AttentionFlags
 
 

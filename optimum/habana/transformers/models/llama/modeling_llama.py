@@ -3,7 +3,7 @@
 from typing import Any
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 from transformers.cache_utils import Cache
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
@@ -27,16 +27,21 @@ class GaudiLlamaForCausalLM(GaudiGenerationMixin, LlamaForCausalLM):
 
     @classmethod
     def from_pretrained(
-        cls, *args: Any, attn_implementation: str | None = None, **kwargs: Any
+        cls, pretrained_model_name_or_path: Any, *args: Any, attn_implementation: str | None = None, **kwargs: Any
     ) -> "GaudiLlamaForCausalLM":
         if attn_implementation not in (None, ATTENTION_IMPLEMENTATION):
             raise ValueError(
-                f"GaudiLlamaForCausalLM always uses the Gaudi attention, got attn_implementation={attn_implementation!r}. "
-                "Drop the argument and choose the fused kernel or the default path with `use_flash_attention`."
+                "GaudiLlamaForCausalLM always uses the Gaudi attention, got "
+                f"attn_implementation={attn_implementation!r}. Drop the argument and choose the fused kernel or the "
+                "default path with `use_flash_attention`."
             )
-        model = super().from_pretrained(*args, attn_implementation=ATTENTION_IMPLEMENTATION, **kwargs)
+        model = super().from_pretrained(
+            pretrained_model_name_or_path, *args, attn_implementation=ATTENTION_IMPLEMENTATION, **kwargs
+        )
         if not isinstance(model.generation_config, GaudiGenerationConfig):
-            model.generation_config = GaudiGenerationConfig.from_dict(model.generation_config.to_dict())
+            model.generation_config = _load_gaudi_generation_config(
+                pretrained_model_name_or_path, model.generation_config, kwargs
+            )
         return model
 
     def set_attn_implementation(self, attn_implementation: str | dict, **kwargs: Any) -> None:
@@ -97,6 +102,26 @@ class GaudiLlamaForCausalLM(GaudiGenerationMixin, LlamaForCausalLM):
             **flags,
             **kwargs,
         )
+
+
+def _load_gaudi_generation_config(
+    pretrained_model_name_or_path: Any, loaded: GenerationConfig, kwargs: dict[str, Any]
+) -> GaudiGenerationConfig:
+    """Re-read the checkpoint's generation config as ours.
+
+    transformers loads it as a plain GenerationConfig, which drops custom entries such as our flags when the file
+    was first derived from the model config; converting `loaded` would lose them.
+    """
+    if kwargs.get("generation_config") is None:
+        hub_kwargs = {name: kwargs[name] for name in _HUB_KWARGS if name in kwargs}
+        try:
+            return GaudiGenerationConfig.from_pretrained(pretrained_model_name_or_path, **hub_kwargs)
+        except OSError:
+            pass  # no generation_config.json: transformers derived `loaded` from the model config
+    return GaudiGenerationConfig.from_dict(loaded.to_dict())
+
+
+_HUB_KWARGS = ("cache_dir", "force_download", "local_files_only", "token", "revision", "subfolder")
 
 
 def causal_prefill_padding(

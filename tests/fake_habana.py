@@ -1,0 +1,149 @@
+"""A test double of the Gaudi software's `habana_frameworks` package.
+
+It enforces FusedSDPA's contract (see shared notes: argument order and types per Gaudi software version,
+valid_seq_len only with is_causal and no mask, int32 lengths, k/v with their own head count), records every call,
+and computes the reference math on the CPU so that generation through it can be compared with the default path.
+"""
+
+import contextlib
+import math
+import sys
+import types
+from dataclasses import dataclass, field
+
+import torch
+
+
+SIGNATURES = {
+    # Positional parameters after (q, k, v) per Gaudi software version.
+    "1.18": (
+        "attn_mask",
+        "dropout_p",
+        "is_causal",
+        "scale",
+        "softmax_mode",
+        "recompute_mode",
+        "valid_seq_len",
+        "seq_padding_type",
+    ),
+    "1.16": ("attn_mask", "dropout_p", "is_causal", "scale", "softmax_mode"),
+    "1.13": ("attn_mask", "dropout_p", "is_causal", "scale"),
+}
+
+
+@dataclass
+class KernelCall:
+    query: torch.Tensor
+    key: torch.Tensor
+    value: torch.Tensor
+    arguments: dict
+    positional_count: int
+    recompute_context: bool | None  # the sdp_kernel(enable_recompute=...) in force, if any
+
+
+@dataclass
+class FakeHabana:
+    version: str
+    calls: list[KernelCall] = field(default_factory=list)
+    recompute_context: list[bool] = field(default_factory=list)
+
+
+def reference_sdpa(query, key, value, attn_mask, is_causal, scale, valid_seq_len, seq_padding_type):
+    """Plain attention in fp32, with the kernel's own conventions."""
+    batch, heads, q_len, head_dim = query.shape
+    kv_len = key.shape[2]
+    groups = heads // key.shape[1]
+    key = key.repeat_interleave(groups, dim=1).float()
+    value = value.repeat_interleave(groups, dim=1).float()
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+    scores = torch.matmul(query.float(), key.transpose(-1, -2)) * scale
+    allowed = torch.ones(batch, 1, q_len, kv_len, dtype=torch.bool)
+    if is_causal:
+        allowed &= torch.ones(q_len, kv_len, dtype=torch.bool).tril()
+    if valid_seq_len is not None:
+        positions = torch.arange(kv_len)
+        lengths = valid_seq_len.long()[:, None]
+        if seq_padding_type == "left":
+            real_keys = positions >= kv_len - lengths
+        else:
+            real_keys = positions < lengths
+        allowed &= real_keys[:, None, None, :]
+    scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
+    if attn_mask is not None:
+        scores = scores + attn_mask.float()
+    return torch.matmul(scores.softmax(dim=-1), value).to(query.dtype)
+
+
+def install(monkeypatch, version: str = "1.18") -> FakeHabana:
+    """Put the double in sys.modules; returns the recorder."""
+    state = FakeHabana(version)
+    names = SIGNATURES[version]
+
+    def check_contract(query, key, value, arguments):
+        assert query.dim() == key.dim() == value.dim() == 4
+        assert query.shape[1] % key.shape[1] == 0, "kv heads must divide query heads"
+        mask = arguments["attn_mask"]
+        assert mask is None or mask.is_floating_point(), "FusedSDPA takes an additive float mask"
+        assert isinstance(arguments["dropout_p"], float)
+        assert isinstance(arguments["is_causal"], bool)
+        assert arguments["scale"] is None or isinstance(arguments["scale"], float)
+        if "softmax_mode" in arguments:
+            assert arguments["softmax_mode"] in ("None", "fast")
+        if "recompute_mode" in arguments:
+            assert isinstance(arguments["recompute_mode"], bool), "None would fall back to the global flag"
+        if arguments.get("valid_seq_len") is not None:
+            assert arguments["valid_seq_len"].dtype == torch.int32
+            assert arguments["valid_seq_len"].shape == (query.shape[0],)
+            assert arguments["is_causal"] and mask is None, "valid_seq_len is accepted only with is_causal, no mask"
+        if "seq_padding_type" in arguments:
+            assert arguments["seq_padding_type"] in ("left", "right")
+
+    class FusedSDPA:
+        @staticmethod
+        def forward(ctx, q, k, v, *args):  # the real one is an autograd.Function; only the names matter here
+            raise NotImplementedError
+
+        @staticmethod
+        def apply(query, key, value, *positional):
+            assert len(positional) == len(names), f"Gaudi {version} takes {len(names)} arguments after q, k, v"
+            arguments = dict(zip(names, positional, strict=True))
+            check_contract(query, key, value, arguments)
+            context = state.recompute_context[-1] if state.recompute_context else None
+            state.calls.append(KernelCall(query, key, value, arguments, len(positional), context))
+            return reference_sdpa(
+                query,
+                key,
+                value,
+                arguments["attn_mask"],
+                arguments["is_causal"],
+                arguments["scale"],
+                arguments.get("valid_seq_len"),
+                arguments.get("seq_padding_type", "left"),
+            )
+
+    # Give forward the version's real parameter names, which is what the library inspects.
+    parameters = ", ".join(["ctx", "q", "k", "v", *names])
+    namespace: dict = {}
+    exec(f"def forward({parameters}):\n    raise NotImplementedError", namespace)
+    FusedSDPA.forward = staticmethod(namespace["forward"])
+
+    @contextlib.contextmanager
+    def sdp_kernel(enable_recompute: bool = False):
+        state.recompute_context.append(enable_recompute)
+        try:
+            yield
+        finally:
+            state.recompute_context.pop()
+
+    root = types.ModuleType("habana_frameworks")
+    torch_module = types.ModuleType("habana_frameworks.torch")
+    hpex = types.ModuleType("habana_frameworks.torch.hpex")
+    kernels = types.ModuleType("habana_frameworks.torch.hpex.kernels")
+    hpu = types.ModuleType("habana_frameworks.torch.hpu")
+    kernels.FusedSDPA = FusedSDPA
+    hpu.sdp_kernel = sdp_kernel
+    hpu.is_available = lambda: True
+    root.torch, torch_module.hpex, torch_module.hpu, hpex.kernels = torch_module, hpex, hpu, kernels
+    for module in (root, torch_module, hpex, kernels, hpu):
+        monkeypatch.setitem(sys.modules, module.__name__, module)
+    return state

@@ -1,0 +1,121 @@
+"""Flash attention and the default path give the same answers, and both match stock transformers' eager Llama."""
+
+import pytest
+import torch
+from transformers import LlamaForCausalLM
+
+from optimum.habana import GaudiLlamaForCausalLM
+from tests.utils import tiny_llama_config
+
+
+FP32_LOGITS_TOLERANCE = 1e-4
+# Measured on this tiny model: flash vs default bf16 logits differ by up to 0.051 on logits of magnitude <= 3.8
+# (bf16 keeps 8 mantissa bits and the two paths round at different points). See docs/attention.md.
+BF16_LOGITS_TOLERANCE = 0.08
+NEW_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def models() -> tuple[GaudiLlamaForCausalLM, LlamaForCausalLM]:
+    """Our model and stock transformers' eager Llama with the same weights."""
+    torch.manual_seed(0)
+    config = tiny_llama_config(initializer_range=0.1)
+    ours = GaudiLlamaForCausalLM(config).eval()
+    stock = LlamaForCausalLM(tiny_llama_config(initializer_range=0.1, attn_implementation="eager")).eval()
+    stock.load_state_dict(ours.state_dict())
+    assert stock.config._attn_implementation == "eager"
+    return ours, stock
+
+
+def left_padded_batch(lengths: list[int], seed: int = 0) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    width = max(lengths)
+    input_ids = torch.zeros(len(lengths), width, dtype=torch.long)
+    attention_mask = torch.zeros(len(lengths), width, dtype=torch.long)
+    for row, length in enumerate(lengths):
+        input_ids[row, width - length :] = torch.randint(3, 256, (length,), generator=generator)
+        attention_mask[row, width - length :] = 1
+    return {"input_ids": input_ids, "attention_mask": attention_mask}
+
+
+def greedy(model, inputs, **kwargs) -> torch.Tensor:
+    return model.generate(
+        **inputs, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0, **kwargs
+    )
+
+
+def max_diff_at_real_positions(a: torch.Tensor, b: torch.Tensor, attention_mask: torch.Tensor) -> float:
+    real = attention_mask.bool()
+    return (a[real] - b[real]).abs().max().item()
+
+
+CASES = {
+    "batch 1": [12],
+    "left-padded batch": [12, 5, 9],
+    "long prompt": [1100],
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("cache_implementation", [None, "static"])
+def test_greedy_tokens_match_default_and_stock_eager(models, case, cache_implementation):
+    ours, stock = models
+    inputs = left_padded_batch(CASES[case])
+    reference = greedy(stock, inputs, cache_implementation=cache_implementation)
+    default = greedy(ours, inputs, cache_implementation=cache_implementation)
+    flash = greedy(ours, inputs, cache_implementation=cache_implementation, use_flash_attention=True)
+    assert torch.equal(default, reference)
+    assert torch.equal(flash, reference)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_logits_match_at_real_positions(models, case):
+    ours, stock = models
+    inputs = left_padded_batch(CASES[case])
+    with torch.no_grad():
+        reference = stock(**inputs).logits
+        default = ours(**inputs).logits
+        flash = ours(**inputs, use_flash_attention=True).logits
+        causal = ours(**inputs, use_flash_attention=True, flash_attention_causal_mask=True).logits
+    mask = inputs["attention_mask"]
+    assert max_diff_at_real_positions(default, reference, mask) <= FP32_LOGITS_TOLERANCE
+    assert max_diff_at_real_positions(flash, reference, mask) <= FP32_LOGITS_TOLERANCE
+    assert max_diff_at_real_positions(causal, reference, mask) <= FP32_LOGITS_TOLERANCE
+
+
+@pytest.mark.parametrize("lengths", [[12, 12], [12, 5, 9]], ids=["no padding", "left padding"])
+@pytest.mark.parametrize("cache_implementation", [None, "static"])
+def test_causal_mask_mode_gives_the_same_tokens(models, lengths, cache_implementation):
+    ours, stock = models
+    inputs = left_padded_batch(lengths, seed=3)
+    reference = greedy(stock, inputs, cache_implementation=cache_implementation)
+    causal = greedy(
+        ours,
+        inputs,
+        cache_implementation=cache_implementation,
+        use_flash_attention=True,
+        flash_attention_causal_mask=True,
+    )
+    assert torch.equal(causal, reference)
+
+
+def test_right_padding_in_training_matches(models):
+    """Right padding is what training batches use; the causal-mask mode then needs a single causal call."""
+    ours, stock = models
+    inputs = left_padded_batch([10, 6], seed=4)
+    inputs = {name: tensor.flip(-1) for name, tensor in inputs.items()}
+    with torch.no_grad():
+        reference = stock(**inputs).logits
+        causal = ours(**inputs, use_flash_attention=True, flash_attention_causal_mask=True).logits
+    assert max_diff_at_real_positions(causal, reference, inputs["attention_mask"]) <= FP32_LOGITS_TOLERANCE
+
+
+def test_bf16_tolerance(models):
+    ours, _ = models
+    model = GaudiLlamaForCausalLM(ours.config).to(torch.bfloat16).eval()
+    model.load_state_dict(ours.state_dict())
+    inputs = left_padded_batch([64, 40, 17], seed=5)
+    with torch.no_grad():
+        default = model(**inputs).logits.float()
+        flash = model(**inputs, use_flash_attention=True).logits.float()
+    assert max_diff_at_real_positions(flash, default, inputs["attention_mask"]) <= BF16_LOGITS_TOLERANCE

@@ -1,0 +1,52 @@
+"""Shared test helpers: tiny random Llama models and counters of which attention path ran."""
+
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import pytest
+import torch
+from transformers import LlamaConfig
+
+from optimum.habana.transformers import attention
+
+
+FLASH_KERNEL_CPU = "aten::_scaled_dot_product_flash_attention_for_cpu"
+
+
+def tiny_llama_config(**overrides) -> LlamaConfig:
+    """2 layers, 4 query heads over 2 key/value heads (grouped-query attention), fp32."""
+    values = {
+        "vocab_size": 256,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 2048,
+        "pad_token_id": 0,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    }
+    values.update(overrides)
+    return LlamaConfig(**values)
+
+
+@contextmanager
+def count_attention_paths(monkeypatch: pytest.MonkeyPatch) -> Iterator[Counter]:
+    """Count attention calls per path: "fused" (our kernel dispatch), "default" (matmul-softmax), and
+    FLASH_KERNEL_CPU, the ATen fused kernel that actually ran (read from the profiler when the block exits)."""
+    counts: Counter = Counter()
+
+    def counted(name, function):
+        def wrapper(*args, **kwargs):
+            counts[name] += 1
+            return function(*args, **kwargs)
+
+        return wrapper
+
+    monkeypatch.setattr(attention, "fused_sdpa", counted("fused", attention.fused_sdpa))
+    monkeypatch.setattr(attention, "matmul_softmax_attention", counted("default", attention.matmul_softmax_attention))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        yield counts
+    counts[FLASH_KERNEL_CPU] = sum(1 for event in profile.events() if event.name == FLASH_KERNEL_CPU)
