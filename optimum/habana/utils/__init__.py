@@ -1,0 +1,1 @@
+"""Helpers shared by the optimum-habana example scripts (model resolution, caching)."""

