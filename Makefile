@@ -17,9 +17,9 @@ test:
 	$(PYTHON) -m pytest -n $(PYTEST_WORKERS) tests
 
 quality:
-	ruff check .
-	ruff format --check .
+	$(PYTHON) -m ruff check .
+	$(PYTHON) -m ruff format --check .
 
 style:
-	ruff check --fix .
-	ruff format .
+	$(PYTHON) -m ruff check --fix .
+	$(PYTHON) -m ruff format .
