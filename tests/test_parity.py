@@ -119,3 +119,19 @@ def test_bf16_tolerance(models):
         default = model(**inputs).logits.float()
         flash = model(**inputs, use_flash_attention=True).logits.float()
     assert max_diff_at_real_positions(flash, default, inputs["attention_mask"]) <= BF16_LOGITS_TOLERANCE
+
+
+def test_compiled_decode_matches(models, monkeypatch):
+    """transformers' compiled decode step (static cache) runs the fused kernel with no graph break per layer."""
+    from transformers import CompileConfig
+
+    ours, stock = models
+    inputs = left_padded_batch([12, 5, 9], seed=6)
+    reference = greedy(stock, inputs)
+    compile_config = CompileConfig(fullgraph=True)
+    compile_config._compile_all_devices = True  # CPU is skipped otherwise
+    torch._dynamo.reset()
+    flash = greedy(
+        ours, inputs, cache_implementation="static", compile_config=compile_config, use_flash_attention=True
+    )
+    assert torch.equal(flash, reference)

@@ -142,20 +142,27 @@ def _torch_fused_sdpa(
     dropout_p: float,
 ) -> torch.Tensor:
     backends = _CUDA_BACKENDS if query.device.type == "cuda" else _OTHER_BACKENDS
+    attend = functools.partial(
+        F.scaled_dot_product_attention,
+        query,
+        key,
+        value,
+        attn_mask=attn_mask,
+        dropout_p=dropout_p,
+        is_causal=is_causal,
+        scale=scale,
+        enable_gqa=key.shape[1] != query.shape[1],
+    )
+    if torch.compiler.is_compiling():
+        # Dynamo cannot trace warnings.catch_warnings (a graph break per layer, then the recompile limit), so
+        # compiled code calls the kernel directly: there, inputs no fused kernel takes are an error, not a fallback.
+        with sdpa_kernel(backends):
+            return attend()
     try:
         # PyTorch warns once per backend it rejects; the reason reaches the user through our own warning instead.
         with sdpa_kernel(backends), warnings.catch_warnings(record=True) as rejections:
             warnings.simplefilter("always")
-            return F.scaled_dot_product_attention(
-                query,
-                key,
-                value,
-                attn_mask=attn_mask,
-                dropout_p=dropout_p,
-                is_causal=is_causal,
-                scale=scale,
-                enable_gqa=key.shape[1] != query.shape[1],
-            )
+            return attend()
     except RuntimeError as error:
         if "No available kernel" not in str(error):
             raise
