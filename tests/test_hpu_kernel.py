@@ -6,7 +6,7 @@ import torch
 from optimum.habana import GaudiLlamaForCausalLM, hpu
 from optimum.habana.kernels import dispatch
 from tests import fake_habana
-from tests.utils import tiny_llama_config
+from tests.utils import left_padded_batch, tiny_llama_config
 
 
 LAYERS = 2
@@ -35,14 +35,7 @@ def clear_kernel_cache():
 
 
 def batch(lengths: list[int]) -> dict[str, torch.Tensor]:
-    width = max(lengths)
-    generator = torch.Generator().manual_seed(7)
-    input_ids = torch.zeros(len(lengths), width, dtype=torch.long)
-    attention_mask = torch.zeros_like(input_ids)
-    for row, length in enumerate(lengths):
-        input_ids[row, width - length :] = torch.randint(3, 256, (length,), generator=generator)
-        attention_mask[row, width - length :] = 1
-    return {"input_ids": input_ids, "attention_mask": attention_mask}
+    return left_padded_batch(lengths, seed=7)
 
 
 def greedy(model, inputs, **kwargs) -> torch.Tensor:

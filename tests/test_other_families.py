@@ -5,25 +5,16 @@ import torch
 from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 import optimum.habana  # noqa: F401  (registers the "gaudi" attention and its mask function)
-from tests.utils import FLASH_KERNEL_CPU, count_attention_paths
+from tests.utils import FLASH_KERNEL_CPU, TINY_SIZES, count_attention_paths
 
 
 @pytest.mark.parametrize(
     "config_class, model_class", [(MistralConfig, MistralForCausalLM), (Qwen2Config, Qwen2ForCausalLM)]
 )
 def test_forward_with_the_flag_matches_eager(config_class, model_class, monkeypatch):
-    sizes = {
-        "vocab_size": 256,
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "pad_token_id": 0,
-    }
     torch.manual_seed(0)
-    eager = model_class(config_class(**sizes, attn_implementation="eager")).eval()
-    gaudi = model_class(config_class(**sizes, attn_implementation="gaudi")).eval()
+    eager = model_class(config_class(**TINY_SIZES, attn_implementation="eager")).eval()
+    gaudi = model_class(config_class(**TINY_SIZES, attn_implementation="gaudi")).eval()
     gaudi.load_state_dict(eager.state_dict())
     input_ids = torch.randint(3, 256, (2, 12))
     attention_mask = torch.ones_like(input_ids)

@@ -5,7 +5,7 @@ import torch
 from transformers import LlamaForCausalLM
 
 from optimum.habana import GaudiLlamaForCausalLM
-from tests.utils import tiny_llama_config
+from tests.utils import left_padded_batch, tiny_llama_config
 
 
 FP32_LOGITS_TOLERANCE = 1e-4
@@ -25,17 +25,6 @@ def models() -> tuple[GaudiLlamaForCausalLM, LlamaForCausalLM]:
     stock.load_state_dict(ours.state_dict())
     assert stock.config._attn_implementation == "eager"
     return ours, stock
-
-
-def left_padded_batch(lengths: list[int], seed: int = 0) -> dict[str, torch.Tensor]:
-    generator = torch.Generator().manual_seed(seed)
-    width = max(lengths)
-    input_ids = torch.zeros(len(lengths), width, dtype=torch.long)
-    attention_mask = torch.zeros(len(lengths), width, dtype=torch.long)
-    for row, length in enumerate(lengths):
-        input_ids[row, width - length :] = torch.randint(3, 256, (length,), generator=generator)
-        attention_mask[row, width - length :] = 1
-    return {"input_ids": input_ids, "attention_mask": attention_mask}
 
 
 def greedy(model, inputs, **kwargs) -> torch.Tensor:

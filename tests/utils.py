@@ -14,22 +14,34 @@ from optimum.habana.transformers import attention
 FLASH_KERNEL_CPU = "aten::_scaled_dot_product_flash_attention_for_cpu"
 
 
+# 2 layers, 4 query heads over 2 key/value heads (grouped-query attention); fits any decoder config class.
+TINY_SIZES = {
+    "vocab_size": 256,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "pad_token_id": 0,
+}
+
+
 def tiny_llama_config(**overrides) -> LlamaConfig:
-    """2 layers, 4 query heads over 2 key/value heads (grouped-query attention), fp32."""
-    values = {
-        "vocab_size": 256,
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "max_position_embeddings": 2048,
-        "pad_token_id": 0,
-        "bos_token_id": 1,
-        "eos_token_id": 2,
-    }
+    values = {**TINY_SIZES, "max_position_embeddings": 2048, "bos_token_id": 1, "eos_token_id": 2}
     values.update(overrides)
     return LlamaConfig(**values)
+
+
+def left_padded_batch(lengths: list[int], seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random prompts of the given lengths, left-padded with token 0, as generate() expects them."""
+    generator = torch.Generator().manual_seed(seed)
+    width = max(lengths)
+    input_ids = torch.zeros(len(lengths), width, dtype=torch.long)
+    attention_mask = torch.zeros(len(lengths), width, dtype=torch.long)
+    for row, length in enumerate(lengths):
+        input_ids[row, width - length :] = torch.randint(3, 256, (length,), generator=generator)
+        attention_mask[row, width - length :] = 1
+    return {"input_ids": input_ids, "attention_mask": attention_mask}
 
 
 @contextmanager

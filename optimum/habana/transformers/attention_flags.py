@@ -53,14 +53,14 @@ def check_flag_combination(flags: Mapping[str, Any]) -> None:
     for name in FLASH_ATTENTION_COMPANIONS:
         if flags.get(name) and not use_flash_attention:
             raise ValueError(
-                f"`{name}=True` requires `use_flash_attention=True`: it configures the fused attention kernel. "
-                f"Set `use_flash_attention=True`, or drop `{name}`."
+                f"`{name}` requires `use_flash_attention`: it configures the fused attention kernel. "
+                f"Turn `use_flash_attention` on, or drop `{name}`."
             )
     for name in DEFAULT_PATH_FLAGS:
         if flags.get(name) and use_flash_attention:
             raise ValueError(
-                f"`{name}=True` applies to the default (matmul-softmax) attention and has no effect with "
-                f"`use_flash_attention=True`, whose kernel computes the softmax itself. Drop one of the two "
+                f"`{name}` applies to the default (matmul-softmax) attention and has no effect with "
+                f"`use_flash_attention`, whose kernel computes the softmax itself. Drop one of the two "
                 "(`flash_attention_fast_softmax` is the fused kernel's faster softmax)."
             )
 

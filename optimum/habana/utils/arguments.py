@@ -9,6 +9,8 @@ from ..transformers.attention_flags import AttentionFlags
 class AttentionArguments:
     """The attention flags, one command-line switch each (`--use_flash_attention`, or `--use_flash_attention True`)."""
 
+    _argument_group_name = "flash attention"  # the heading of these flags in --help
+
     use_flash_attention: bool = field(
         default=False,
         metadata={

@@ -68,21 +68,22 @@ def memory_stats(device: torch.device) -> dict[str, int]:
 
 
 def _current_rss() -> int:
-    status = Path("/proc/self/status")
-    if status.exists():
-        for line in status.read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    return _peak_rss()
+    return _proc_status_bytes("VmRSS") or _peak_rss()
 
 
 def _peak_rss() -> int:
+    return _proc_status_bytes("VmHWM") or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _proc_status_bytes(field: str) -> int | None:
+    """A memory line of /proc/self/status (Linux), in bytes; None elsewhere."""
     status = Path("/proc/self/status")
-    if status.exists():
-        for line in status.read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    if not status.exists():
+        return None
+    for line in status.read_text().splitlines():
+        if line.startswith(f"{field}:"):
+            return int(line.split()[1]) * 1024
+    return None
 
 
 def model_size_bytes(model: torch.nn.Module) -> int:
