@@ -1,0 +1,151 @@
+#!/usr/bin/env python
+"""Generate text with a Llama model and measure it, with the fused attention kernel (--use_flash_attention) or not.
+
+    python examples/text-generation/run_generation.py                        # embedded SmolLM2-135M-Instruct
+    python examples/text-generation/run_generation.py --use_flash_attention  # the same through the fused kernel
+    python examples/text-generation/run_generation.py --chat --prompt "What is the capital of France?"
+
+It prints the generated texts, then throughput, first-token latency, memory, load and compile times;
+--output_dir also writes them to results.json. `--help` lists every argument; docs/run_generation.md explains them.
+The reusable pieces live in `optimum.habana.utils.text_generation`.
+"""
+
+import logging
+import sys
+import time
+from collections.abc import Sequence
+
+from optimum.habana import hpu
+from optimum.habana.utils.devices import memory_stats, model_size_bytes, reset_peak_memory
+from optimum.habana.utils.model_loading import ModelResolutionError
+from optimum.habana.utils.pretrained import load_model_and_tokenizer
+from optimum.habana.utils.text_generation import (
+    apply_peft_adapter,
+    benchmark,
+    build_generation_config,
+    build_parser,
+    check_sequence_length,
+    decode_new_tokens,
+    environment_versions,
+    format_header,
+    format_stats,
+    format_texts,
+    generation_config_summary,
+    parse_arguments,
+    prompts_for_batch,
+    render_prompts,
+    resolve_execution,
+    summarize_runs,
+    tokenize_prompts,
+    usage_error,
+    write_results,
+)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    arguments = parse_arguments(parser, argv)
+    workload, execution = arguments.workload, arguments.execution
+    show_library_progress()
+
+    # Everything that can still be a bad input (device, model, adapter, prompts) is checked before generating.
+    try:
+        device, dtype = resolve_execution(arguments)
+        loaded = load_model_and_tokenizer(arguments.model.model_name_or_path, dtype=dtype, device=device)
+        model, tokenizer = loaded.model, loaded.tokenizer
+        load_seconds = loaded.load_seconds
+        if arguments.model.peft_model:
+            start = time.perf_counter()
+            model = apply_peft_adapter(model, arguments.model.peft_model)
+            load_seconds += time.perf_counter() - start
+        prompts = prompts_for_batch(workload.prompt, workload.batch_size)
+        texts = render_prompts(tokenizer, prompts, workload.chat)
+        inputs, prompt_lengths = tokenize_prompts(tokenizer, texts, workload.max_input_tokens, workload.chat)
+        input_length = inputs["input_ids"].shape[1]
+        check_sequence_length(
+            input_length,
+            workload.max_new_tokens,
+            getattr(model.config, "max_position_embeddings", None),
+            fixed=workload.max_input_tokens > 0,
+        )
+    except (ModelResolutionError, ValueError) as error:
+        usage_error(parser, str(error))
+
+    print(format_header(loaded.resolved.description, device, dtype, arguments), flush=True)
+    if workload.max_input_tokens and max(prompt_lengths) > workload.max_input_tokens:
+        print(f"Note: prompts longer than {workload.max_input_tokens} tokens keep their last tokens.", file=sys.stderr)
+    if (execution.torch_compile or execution.use_hpu_graphs) and execution.warmup == 0:
+        print("Note: with --warmup 0 the compilation is part of the first measured run.", file=sys.stderr)
+    if execution.use_hpu_graphs:
+        model = hpu.wrap_in_hpu_graph(model)
+    generation_config = build_generation_config(model.generation_config, arguments, tokenizer.pad_token_id, device)
+    inputs = inputs.to(device)
+
+    reset_peak_memory(device)  # the peak below is that of generation, not of loading
+    result = benchmark(
+        model,
+        inputs,
+        generation_config,
+        device=device,
+        seed=workload.seed,
+        warmup=execution.warmup,
+        n_iterations=execution.n_iterations,
+    )
+    memory = memory_stats(device)
+
+    outputs = decode_new_tokens(tokenizer, result.output, input_length)
+    compiled = execution.torch_compile or execution.use_hpu_graphs
+    stats = {
+        **summarize_runs(result.runs, workload.batch_size),
+        "input_tokens": input_length,
+        "memory_allocated_bytes": memory["allocated"],
+        "max_memory_allocated_bytes": memory["max_allocated"],
+        "model_size_bytes": model_size_bytes(model),
+        "num_parameters": model.num_parameters(),
+        "model_load_seconds": load_seconds,
+        "gguf_converted": loaded.resolved.converted,
+        "warmup_seconds": result.warmup_seconds,
+        "compile_seconds": result.warmup_seconds if compiled and execution.warmup > 0 else None,
+    }
+    print(format_texts(prompts, outputs))
+    print(format_stats(stats, device), flush=True)
+
+    if arguments.output.output_dir:
+        real_lengths = inputs["attention_mask"].sum(dim=1).tolist()
+        results = {
+            "arguments": arguments.as_dict(),
+            "versions": environment_versions(),
+            "device": device.type,
+            "dtype": str(dtype).removeprefix("torch."),
+            "model": {
+                "model_name_or_path": arguments.model.model_name_or_path,
+                "source": loaded.resolved.source,
+                "description": loaded.resolved.description,
+                "path": str(loaded.resolved.path),
+                "peft_model": arguments.model.peft_model,
+                "max_position_embeddings": getattr(model.config, "max_position_embeddings", None),
+            },
+            "generation_config": generation_config_summary(generation_config),
+            "texts": [
+                {"prompt": prompt, "output": output, "prompt_tokens": full, "input_tokens": real}
+                for prompt, output, full, real in zip(prompts, outputs, prompt_lengths, real_lengths, strict=True)
+            ],
+            "stats": stats,
+        }
+        path = write_results(arguments.output.output_dir, results)
+        print(f"Results written to {path}")
+    return 0
+
+
+def show_library_progress() -> None:
+    """Show the library's progress messages (e.g. the one-time GGUF conversion) on stderr, once per process."""
+    logger = logging.getLogger("optimum.habana")
+    if not logger.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
