@@ -1,0 +1,345 @@
+"""LoRA fine-tuning of a Gaudi Llama: data, prompt template, labels, packing, LoRA and the attention flags.
+
+The logic behind `examples/language-modeling/run_lora_clm.py`, kept here so that it is tested and reusable.
+
+The attention flags travel on `model.generation_config`, never as Trainer keyword arguments:
+`GaudiLlamaForCausalLM.forward` falls back to that config for every flag a call leaves unset, so training,
+evaluation, generation, PEFT wrappers and activation checkpointing all see the same flags without the Trainer
+knowing about them (a trainer that injected the flag into forward calls broke models that do not take it).
+"""
+
+import math
+from collections.abc import Sequence
+from itertools import chain
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from datasets import Dataset, DatasetDict, load_dataset
+from datasets.exceptions import DatasetGenerationError
+from peft import LoraConfig, PeftModel, TaskType, get_peft_model
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from ..transformers.attention_flags import AttentionFlags, attention_flags_of
+from ..transformers.generation import GaudiGenerationConfig
+from .arguments import AttentionArguments
+
+
+DataFormat = Literal["instruction", "text"]
+
+# `datasets` builder for each supported data file extension (".json" may hold JSON lines or one JSON array).
+DATA_FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".txt": "text"}
+INSTRUCTION_FIELDS = ("instruction", "input", "output")
+REQUIRED_INSTRUCTION_FIELDS = ("instruction", "output")
+TEXT_FIELD = "text"
+
+PROMPT_TEMPLATE = "### Instruction:\n{instruction}\n\n### Response:\n"
+PROMPT_TEMPLATE_WITH_INPUT = "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
+
+# Label of the tokens that carry no loss (prompt and padding): the ignore_index of transformers' causal LM loss.
+IGNORE_INDEX = -100
+DEFAULT_LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+class FineTuningError(ValueError):
+    """Bad input the user can fix (a data file, an argument value); the message names it and says what to do."""
+
+
+# --- data -------------------------------------------------------------------------------------------------------
+
+
+def load_raw_datasets(
+    *,
+    train_file: str | None,
+    validation_file: str | None,
+    dataset_name: str | None,
+    dataset_config_name: str | None = None,
+    validation_split_percentage: int = 10,
+    seed: int = 42,
+) -> tuple[DatasetDict, DataFormat]:
+    """The "train" (and, when there is one, "validation") split, and whether it is instruction data or plain text.
+
+    Without a validation file or split, `validation_split_percentage` percent of the training data is held out.
+    Every problem with the data is a FineTuningError that names the file and the problem.
+    """
+    if not 0 <= validation_split_percentage < 100:
+        raise FineTuningError(f"--validation_split_percentage must be in [0, 100), got {validation_split_percentage}.")
+    if dataset_name is not None and train_file is not None:
+        raise FineTuningError("Pass either --dataset_name or --train_file, not both.")
+    if dataset_name is not None:
+        datasets = load_hub_dataset(dataset_name, dataset_config_name)
+    else:
+        if train_file is None:
+            raise FineTuningError("No training data: pass --train_file or --dataset_name.")
+        datasets = DatasetDict({"train": load_data_file(train_file, "--train_file")})
+    if validation_file is not None:
+        datasets["validation"] = load_data_file(validation_file, "--validation_file")
+
+    train_source = f"--train_file {train_file!r}" if dataset_name is None else f"The dataset {dataset_name!r}"
+    data_format = data_format_of(datasets["train"], train_source)
+    if "validation" in datasets:
+        validation_source = (
+            f"--validation_file {validation_file!r}" if validation_file else f"{train_source}'s validation split"
+        )
+        validation_format = data_format_of(datasets["validation"], validation_source)
+        if validation_format != data_format:
+            raise FineTuningError(
+                f"The training data is {data_format} data but the validation data is {validation_format} data; "
+                "use one format for both."
+            )
+    elif validation_split_percentage > 0:
+        if datasets["train"].num_rows < 2:
+            raise FineTuningError(
+                "The training data has a single example: too few to hold out a validation split. "
+                "Pass --validation_file, or --validation_split_percentage 0 without --do_eval."
+            )
+        split = datasets["train"].train_test_split(test_size=validation_split_percentage / 100, seed=seed)
+        datasets = DatasetDict({"train": split["train"], "validation": split["test"]})
+    return datasets, data_format
+
+
+def load_data_file(path: str, argument: str) -> Dataset:
+    """One json, jsonl, csv or txt file (one example per line for txt), through the `datasets` builders."""
+    file = Path(path).expanduser()
+    if not file.is_file():
+        raise FineTuningError(f"{argument} {path!r} does not exist.")
+    builder = DATA_FILE_BUILDERS.get(file.suffix.lower())
+    if builder is None:
+        raise FineTuningError(
+            f"{argument} {path!r}: unsupported file type {file.suffix!r}; use one of {', '.join(DATA_FILE_BUILDERS)}."
+        )
+    if file.stat().st_size == 0:
+        raise FineTuningError(f"{argument} {path!r} is empty.")
+    try:
+        dataset = load_dataset(builder, data_files=str(file), split="train")
+    except DatasetGenerationError as error:
+        cause = error.__cause__ or error
+        raise FineTuningError(f"{argument} {path!r} could not be read as {builder}: {cause}") from None
+    except ValueError as error:
+        # datasets says 'Instruction "train" corresponds to no data!' for a file without rows (blank lines only,
+        # a CSV header only).
+        if "corresponds to no data" in str(error):
+            raise FineTuningError(f"{argument} {path!r} has no examples.") from None
+        raise FineTuningError(f"{argument} {path!r} could not be read as {builder}: {error}") from None
+    if TEXT_FIELD in dataset.column_names and not set(REQUIRED_INSTRUCTION_FIELDS) <= set(dataset.column_names):
+        # Blank lines separate paragraphs in text files; they are not examples.
+        dataset = dataset.filter(lambda example: bool((example[TEXT_FIELD] or "").strip()))
+    if dataset.num_rows == 0:
+        raise FineTuningError(f"{argument} {path!r} has no examples.")
+    return dataset
+
+
+def load_hub_dataset(name: str, config_name: str | None) -> DatasetDict:
+    """A dataset from the Hugging Face Hub; an unreachable hub or an unknown name is a FineTuningError."""
+    try:
+        datasets = load_dataset(name, config_name)
+    except (OSError, ValueError) as error:  # ConnectionError and DatasetNotFoundError are OSErrors
+        detail = (str(error).strip().splitlines() or [""])[0]
+        raise FineTuningError(
+            f"Could not load the dataset {name!r} from the Hugging Face Hub ({type(error).__name__}: {detail}). "
+            "The hub may be unreachable from this machine (HF_HUB_OFFLINE=1 makes that fail at once); "
+            "pass --train_file with a local json, jsonl, csv or txt file instead."
+        ) from None
+    if "train" not in datasets:
+        raise FineTuningError(f"The dataset {name!r} has no 'train' split (it has {', '.join(datasets)}).")
+    splits = {"train": datasets["train"]}
+    if "validation" in datasets:
+        splits["validation"] = datasets["validation"]
+    return DatasetDict(splits)
+
+
+def data_format_of(dataset: Dataset, source: str) -> DataFormat:
+    """Instruction data has `instruction` and `output` (and optionally `input`) fields; plain text has `text`."""
+    columns = set(dataset.column_names)
+    if set(REQUIRED_INSTRUCTION_FIELDS) <= columns:
+        return "instruction"
+    if TEXT_FIELD in columns:
+        return "text"
+    raise FineTuningError(
+        f"{source} has the fields {sorted(columns)}, none of the expected ones: instruction data needs "
+        "`instruction` and `output` (and optionally `input`), plain text needs `text`."
+    )
+
+
+# --- prompts, labels, packing -----------------------------------------------------------------------------------
+
+
+def build_prompt(instruction: Any, input: Any = None) -> str:
+    """The prompt of an instruction example: what the model sees before the response it learns to write.
+
+    Use the same text when prompting the fine-tuned model, e.g. with run_generation.py.
+    """
+    instruction, input = _as_text(instruction), _as_text(input)
+    if input.strip():
+        return PROMPT_TEMPLATE_WITH_INPUT.format(instruction=instruction, input=input)
+    return PROMPT_TEMPLATE.format(instruction=instruction)
+
+
+def tokenize_dataset(
+    dataset: Dataset,
+    tokenizer: PreTrainedTokenizerBase,
+    data_format: DataFormat,
+    max_seq_length: int | None,
+) -> Dataset:
+    """`input_ids`, `attention_mask` and `labels` for each example, truncated to `max_seq_length` (None: not).
+
+    Instruction data: the loss is on the response tokens and the end-of-sequence token, never on the prompt.
+    Plain text: the loss is on every token. Examples left with nothing to learn after truncation are dropped.
+    """
+    if tokenizer.eos_token_id is None:
+        raise FineTuningError("The tokenizer has no end-of-sequence token; fine-tuning needs one to end examples.")
+    if max_seq_length is not None and max_seq_length < 1:
+        raise FineTuningError(f"--max_seq_length must be at least 1, got {max_seq_length}.")
+
+    def tokenize(batch: dict[str, list]) -> dict[str, list]:
+        if data_format == "instruction":
+            inputs = batch.get("input") or [""] * len(batch["instruction"])
+            prompts = [
+                build_prompt(instruction, input)
+                for instruction, input in zip(batch["instruction"], inputs, strict=True)
+            ]
+            responses = [_as_text(output) for output in batch["output"]]
+        else:
+            prompts = [""] * len(batch[TEXT_FIELD])
+            responses = [_as_text(text) for text in batch[TEXT_FIELD]]
+        # Prompt and response are tokenized apart, so the label boundary falls exactly between their tokens.
+        prompt_ids = tokenizer(prompts, add_special_tokens=True)["input_ids"]
+        response_ids = tokenizer(responses, add_special_tokens=False)["input_ids"]
+        features = {"input_ids": [], "attention_mask": [], "labels": []}
+        for prompt, response in zip(prompt_ids, response_ids, strict=True):
+            response = [*response, tokenizer.eos_token_id]
+            input_ids = [*prompt, *response][:max_seq_length]
+            labels = [IGNORE_INDEX] * len(prompt) if data_format == "instruction" else list(prompt)
+            labels = [*labels, *response][:max_seq_length]
+            features["input_ids"].append(input_ids)
+            features["attention_mask"].append([1] * len(input_ids))
+            features["labels"].append(labels)
+        return features
+
+    tokenized = dataset.map(tokenize, batched=True, remove_columns=dataset.column_names, desc="Tokenizing")
+    return tokenized.filter(has_loss_tokens, desc="Dropping examples with nothing to learn")
+
+
+def has_loss_tokens(example: dict[str, list[int]]) -> bool:
+    """Whether any token after the first carries a label (the model predicts token i+1 from token i)."""
+    return any(label != IGNORE_INDEX for label in example["labels"][1:])
+
+
+def pack_sequences(dataset: Dataset, max_seq_length: int) -> Dataset:
+    """Concatenate the tokenized examples and cut them into blocks of `max_seq_length` tokens.
+
+    No padding, so no mask: every block is a plain causal sequence, the cheapest case for the fused kernel.
+    Labels are packed alongside, so instruction prompts stay out of the loss. The last block may be shorter.
+    """
+    if max_seq_length < 1:
+        raise FineTuningError(f"--max_seq_length must be at least 1, got {max_seq_length}.")
+
+    def pack(batch: dict[str, list]) -> dict[str, list]:
+        packed = {}
+        for name in ("input_ids", "attention_mask", "labels"):
+            tokens = list(chain.from_iterable(batch[name]))
+            packed[name] = [tokens[start : start + max_seq_length] for start in range(0, len(tokens), max_seq_length)]
+        return packed
+
+    packed = dataset.map(pack, batched=True, remove_columns=dataset.column_names, desc="Packing")
+    return packed.filter(has_loss_tokens, desc="Dropping blocks with nothing to learn")
+
+
+def _as_text(value: Any) -> str:
+    """Missing values (None, e.g. an empty CSV cell) are empty text; numbers (CSV) are their text."""
+    return "" if value is None else str(value)
+
+
+# --- attention flags and LoRA -----------------------------------------------------------------------------------
+
+
+def attention_flags_from(arguments: AttentionArguments) -> AttentionFlags:
+    """The validated flags; a companion flag without `--use_flash_attention` is a FineTuningError."""
+    try:
+        return arguments.attention_flags()
+    except ValueError as error:
+        raise FineTuningError(f"Attention flags: {error}") from None
+
+
+def set_attention_flags(model: PreTrainedModel, flags: AttentionFlags) -> None:
+    """Make `flags` the model's own, for every forward and generate call that does not pass them explicitly.
+
+    Call it before wrapping the model with PEFT. The command line's values replace whatever the checkpoint's
+    generation config said, so the flags in effect are exactly the ones the user passed.
+    """
+    config = model.generation_config
+    if not isinstance(config, GaudiGenerationConfig):
+        raise TypeError(
+            f"{type(model).__name__}.generation_config is a {type(config).__name__}, not a GaudiGenerationConfig: "
+            "the attention flags would not reach the attention. Load the model as a GaudiLlamaForCausalLM."
+        )
+    for name, value in flags.as_dict().items():
+        setattr(config, name, value)
+
+
+def lora_config(
+    *, rank: int, alpha: float, dropout: float, target_modules: Sequence[str] = DEFAULT_LORA_TARGET_MODULES
+) -> LoraConfig:
+    """A causal-LM LoRA config; bad values are FineTuningErrors named after their command-line flag."""
+    if rank < 1:
+        raise FineTuningError(f"--lora_rank must be at least 1, got {rank}.")
+    if not 0.0 <= dropout < 1.0:
+        raise FineTuningError(f"--lora_dropout must be in [0, 1), got {dropout}.")
+    if not target_modules:
+        raise FineTuningError("--lora_target_modules is empty; name at least one module, e.g. q_proj v_proj.")
+    return LoraConfig(
+        task_type=TaskType.CAUSAL_LM,
+        r=rank,
+        lora_alpha=alpha,
+        lora_dropout=dropout,
+        target_modules=list(target_modules),
+    )
+
+
+def add_lora(model: PreTrainedModel, config: LoraConfig) -> PeftModel:
+    """Wrap `model` with trainable LoRA adapters, checking that the attention flags survive the wrapping.
+
+    The base model keeps its own generation config, which its forward reads the flags from; a wrapper that
+    replaced it would silently turn flash attention off.
+    """
+    generation_config = model.generation_config
+    flags = attention_flags_of(generation_config)
+    try:
+        peft_model = get_peft_model(model, config)
+    except ValueError as error:  # e.g. "Target modules {...} not found in the base model"
+        raise FineTuningError(f"--lora_target_modules: {error}") from None
+    base_config = peft_model.get_base_model().generation_config
+    if base_config is not generation_config or attention_flags_of(base_config) != flags:
+        raise RuntimeError("PEFT replaced the base model's generation config: the attention flags would be lost.")
+    return peft_model
+
+
+# --- results ----------------------------------------------------------------------------------------------------
+
+
+def perplexity(loss: float) -> float:
+    """exp(mean token cross-entropy); inf when that overflows."""
+    try:
+        return math.exp(loss)
+    except OverflowError:
+        return math.inf
+
+
+@torch.no_grad()
+def complete_prompts(
+    model: PreTrainedModel | PeftModel,
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: Sequence[str],
+    max_new_tokens: int,
+) -> list[str]:
+    """Greedy completions of `prompts` in one left-padded batch; the flags come from the model's generation config."""
+    inputs = tokenizer(list(prompts), return_tensors="pt", padding=True, padding_side="left").to(model.device)
+    was_training = model.training
+    model.eval()
+    try:
+        outputs = model.generate(
+            **inputs, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id
+        )
+    finally:
+        model.train(was_training)
+    return tokenizer.batch_decode(outputs[:, inputs["input_ids"].shape[1] :], skip_special_tokens=True)

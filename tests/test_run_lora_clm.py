@@ -1,0 +1,370 @@
+"""Tests of LoRA fine-tuning with the attention flags: examples/language-modeling/run_lora_clm.py and
+optimum.habana.utils.finetuning.
+
+Everything runs on a tiny random Llama and a word-level tokenizer trained here on the shipped dataset: no download.
+The script's `main(argv, callbacks)` runs in-process so the attention calls can be counted and the gradients read.
+"""
+
+import importlib.util
+import json
+import subprocess
+import sys
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import datasets
+import pytest
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+from transformers import LlamaForCausalLM, PreTrainedTokenizerFast, TrainerCallback
+
+from optimum.habana.transformers import attention
+from optimum.habana.transformers.models.llama import GaudiLlamaForCausalLM
+from optimum.habana.utils import finetuning
+from optimum.habana.utils.arguments import AttentionArguments
+from optimum.habana.utils.finetuning import IGNORE_INDEX, FineTuningError
+
+from .utils import FLASH_KERNEL_CPU, count_attention_paths, tiny_llama_config
+
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "examples" / "language-modeling" / "run_lora_clm.py"
+DATA_FILE = ROOT / "examples" / "language-modeling" / "data" / "instructions.jsonl"
+RUN_GENERATION = ROOT / "examples" / "text-generation" / "run_generation.py"
+TOLERANCE = 1e-5
+
+
+def load_script():
+    spec = importlib.util.spec_from_file_location("run_lora_clm", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def script():
+    return load_script()
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> PreTrainedTokenizerFast:
+    """Word-level, trained on the shipped dataset laid out in the prompt template, so every word has an id."""
+    rows = [json.loads(line) for line in DATA_FILE.read_text().splitlines()]
+    texts = [finetuning.build_prompt(row["instruction"], row["input"]) + row["output"] for row in rows]
+    backend = Tokenizer(models.WordLevel(unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    backend.train_from_iterator(texts, trainers.WordLevelTrainer(special_tokens=["<pad>", "<s>", "</s>", "<unk>"]))
+    # Ids 0, 1, 2 match tiny_llama_config's pad, bos and eos.
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, pad_token="<pad>", bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    )
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory, tokenizer) -> Path:
+    """A stock Llama checkpoint, as a user would pass it, with the tokenizer beside it."""
+    folder = tmp_path_factory.mktemp("tiny_llama")
+    torch.manual_seed(0)
+    LlamaForCausalLM(tiny_llama_config(vocab_size=len(tokenizer))).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def script_args(checkpoint: Path, output_dir: Path, *extra: str) -> list[str]:
+    common = "--report_to none --save_strategy no --disable_tqdm True --dataloader_pin_memory False --seed 0"
+    return ["--model_name_or_path", str(checkpoint), "--output_dir", str(output_dir), *common.split(), *extra]
+
+
+@dataclass
+class Run:
+    """What one in-process run of the script did."""
+
+    metrics: dict
+    losses: list[float] = field(default_factory=list)
+    eval_losses: list[float] = field(default_factory=list)
+    gradients: list[dict[str, torch.Tensor]] = field(default_factory=list)
+    counts: Counter = field(default_factory=Counter)
+    recompute: list[bool] = field(default_factory=list)  # the kernel's recompute argument, on training calls
+
+
+class Recorder(TrainerCallback):
+    """Per-step training losses, evaluation losses, and the LoRA gradients just before each optimizer step."""
+
+    def __init__(self, run: Run) -> None:
+        self.run = run
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        self.run.gradients.append(
+            {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.requires_grad}
+        )
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if "loss" in logs:
+            self.run.losses.append(logs["loss"])
+        if "eval_loss" in logs:
+            self.run.eval_losses.append(logs["eval_loss"])
+
+
+def run_script(script, argv: list[str]) -> Run:
+    """main(argv), with every attention call counted by path and the kernel's recompute argument recorded."""
+    run = Run(metrics={})
+    with pytest.MonkeyPatch.context() as patch, count_attention_paths(patch) as counts:
+        counted = attention.fused_sdpa
+
+        def spy(*args, **kwargs):
+            if torch.is_grad_enabled():
+                run.recompute.append(kwargs["recompute"])
+            return counted(*args, **kwargs)
+
+        patch.setattr(attention, "fused_sdpa", spy)
+        run.metrics = script.main(argv, callbacks=[Recorder(run)])
+    run.counts = counts
+    return run
+
+
+# Three training steps on padded batches of 4, evaluation, and a short generation at the end.
+PARITY_ARGS = (
+    "--do_train --do_eval --max_steps 3 --per_device_train_batch_size 4 --per_device_eval_batch_size 8 "
+    "--logging_steps 1 --learning_rate 1e-2 --lora_dropout 0 --validation_split_percentage 5 "
+    "--generation_samples 2 --max_new_tokens 3"
+)
+
+
+@pytest.fixture(scope="module")
+def runs(script, checkpoint, tmp_path_factory) -> dict[str, Run]:
+    """The same fp32 run, seed and data with the flag off, on, and on with gradient checkpointing."""
+    variants = {
+        "default": ("--use_flash_attention", "False"),
+        "flash": ("--use_flash_attention",),
+        "flash_checkpointing": ("--use_flash_attention", "--gradient_checkpointing"),
+    }
+    return {
+        name: run_script(script, script_args(checkpoint, tmp_path_factory.mktemp(name), *PARITY_ARGS.split(), *flags))
+        for name, flags in variants.items()
+    }
+
+
+# --- flash attention in training, evaluation and generation -----------------------------------------------------
+
+
+@pytest.mark.parametrize("variant", ["flash", "flash_checkpointing"])
+def test_flash_attention_matches_the_default_path(runs, variant):
+    """Same losses and LoRA gradients step by step (the padding carries no label, so it is excluded)."""
+    default, flash = runs["default"], runs[variant]
+    assert len(flash.losses) == len(default.losses) == 3
+    assert flash.losses == pytest.approx(default.losses, abs=TOLERANCE, rel=0)
+    assert flash.metrics["eval_loss"] == pytest.approx(default.metrics["eval_loss"], abs=TOLERANCE, rel=0)
+    assert len(flash.gradients) == len(default.gradients) == 3
+    for flash_step, default_step in zip(flash.gradients, default.gradients, strict=True):
+        assert flash_step.keys() == default_step.keys()
+        assert all("lora_" in name for name in flash_step)
+        for name, gradient in flash_step.items():
+            torch.testing.assert_close(gradient, default_step[name], atol=TOLERANCE, rtol=0, msg=name)
+    # LoRA B starts at zero, so only its gradients are non-zero on the first step.
+    assert any(gradient.abs().max() > 0 for gradient in flash.gradients[0].values())
+
+
+@pytest.mark.parametrize("variant", ["flash", "flash_checkpointing"])
+def test_kernel_runs_every_attention_call_with_the_flag(runs, variant):
+    """No call of training, evaluation or generation falls back to the default path."""
+    run = runs[variant]
+    assert run.metrics["eval_loss"] > 0 and len(run.metrics["generations"]) == 2
+    assert run.counts["default"] == 0
+    assert run.counts["fused"] > 0
+    assert run.counts[FLASH_KERNEL_CPU] > 0
+
+
+def test_default_path_without_the_flag(runs):
+    run = runs["default"]
+    assert run.counts["default"] > 0
+    assert run.counts["fused"] == 0
+    assert run.counts[FLASH_KERNEL_CPU] == 0
+
+
+def test_gradient_checkpointing_forces_recompute(runs):
+    """Checkpointed layers run their forward twice: the kernel is asked to keep nothing (defect 4 of the notes)."""
+    assert runs["flash_checkpointing"].recompute and all(runs["flash_checkpointing"].recompute)
+    assert runs["flash"].recompute and not any(runs["flash"].recompute)
+
+
+# --- learning and the saved adapter ------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def trained(script, checkpoint, tmp_path_factory) -> tuple[Run, Path]:
+    """A few dozen steps with the flag on the shipped dataset (the default train file), packed into blocks."""
+    output_dir = tmp_path_factory.mktemp("trained")
+    training = (
+        "--do_train --do_eval --eval_on_start True --use_flash_attention --dataset_concatenation --max_seq_length 64 "
+        "--max_steps 30 --per_device_train_batch_size 8 --learning_rate 1e-2 --lr_scheduler_type constant "
+        "--logging_steps 10"
+    )
+    argv = script_args(checkpoint, output_dir, *training.split())
+    return run_script(script, argv), output_dir
+
+
+def test_a_few_dozen_steps_lower_the_eval_loss(trained):
+    run, output_dir = trained
+    before, after = run.eval_losses[0], run.metrics["eval_loss"]
+    assert after < before - 0.1, (before, after)
+    assert run.counts["default"] == 0 and run.counts["fused"] > 0
+    saved = json.loads((output_dir / "all_results.json").read_text())
+    for name in ("train_loss", "eval_loss", "perplexity", "train_samples_per_second", "train_peak_memory_gb"):
+        assert saved[name] > 0, name
+    assert (output_dir / "adapter_model.safetensors").is_file()
+    assert (output_dir / "adapter_config.json").is_file()
+
+
+def load_run_generation():
+    spec = importlib.util.spec_from_file_location("run_generation", RUN_GENERATION)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_saved_adapter_changes_run_generation_output(trained, checkpoint, tmp_path):
+    """run_generation.py --peft_model merges the saved adapter: same prompt, same greedy decoding, other text."""
+    run_generation = load_run_generation()
+    _, adapter_dir = trained
+    prompt = finetuning.build_prompt("What is the capital of Greece?")
+    texts = {}
+    for name, extra in {"base": [], "adapted": ["--peft_model", str(adapter_dir)]}.items():
+        output_dir = tmp_path / name
+        argv = ["--model_name_or_path", str(checkpoint), "--prompt", prompt, "--max_new_tokens", "8"]
+        argv += ["--ignore_eos", "--warmup", "0", "--n_iterations", "1", "--output_dir", str(output_dir), *extra]
+        assert run_generation.main(argv) == 0
+        results = json.loads((output_dir / "results.json").read_text())
+        texts[name] = [text["output"] for text in results["texts"]]
+    assert texts["base"][0].strip() and texts["adapted"][0].strip()
+    assert texts["adapted"] != texts["base"]
+
+
+# --- bad input ---------------------------------------------------------------------------------------------------
+
+
+def write(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
+
+
+@pytest.mark.parametrize(
+    "case, message",
+    [
+        ("missing", "does not exist"),
+        ("empty", "is empty"),
+        ("blank", "has no examples"),
+        ("wrong_fields", "none of the expected ones"),
+        ("unsupported", "unsupported file type"),
+        ("max_seq_length", "--max_seq_length must be at least 1, got 0"),
+        ("companion", "`flash_attention_recompute` requires `use_flash_attention`"),
+        ("hub_unreachable", "Could not load the dataset 'someone/some-dataset' from the Hugging Face Hub"),
+        ("unknown_argument", "--no_such_flag"),
+    ],
+)
+def test_bad_input_is_a_usage_error(script, checkpoint, tmp_path, monkeypatch, capsys, case, message):
+    files = {
+        "missing": tmp_path / "missing.jsonl",
+        "empty": write(tmp_path / "empty.jsonl", ""),
+        "blank": write(tmp_path / "blank.txt", "\n \n\n"),
+        "wrong_fields": write(tmp_path / "qa.jsonl", '{"question": "Why?", "answer": "Because."}\n'),
+        "unsupported": write(tmp_path / "data.parquet", "x"),
+    }
+    extra = {
+        "max_seq_length": ["--max_seq_length", "0"],
+        "companion": ["--flash_attention_recompute"],
+        "hub_unreachable": ["--dataset_name", "someone/some-dataset"],
+        "unknown_argument": ["--no_such_flag", "1"],
+    }
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)  # an unreachable hub, at once
+    argv = script_args(checkpoint, tmp_path / "out", "--do_train", *extra.get(case, []))
+    if case in files:
+        argv += ["--train_file", str(files[case])]
+    with pytest.raises(SystemExit) as exit_info:
+        script.main(argv)
+    assert exit_info.value.code == 2
+    last_line = capsys.readouterr().err.strip().splitlines()[-1]  # after the datasets progress bars
+    assert last_line.startswith("run_lora_clm.py: error: ") and message in last_line, last_line
+
+
+def test_usage_error_as_a_script_exits_2_without_traceback(tmp_path):
+    command = [
+        sys.executable,
+        str(SCRIPT),
+        "--output_dir",
+        str(tmp_path),
+        "--do_train",
+        "--flash_attention_causal_mask",
+    ]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert "`flash_attention_causal_mask` requires `use_flash_attention`" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+# --- the library module ------------------------------------------------------------------------------------------
+
+
+def test_prompt_template():
+    assert finetuning.build_prompt("Sort.", "b, a") == "### Instruction:\nSort.\n\n### Input:\nb, a\n\n### Response:\n"
+    assert finetuning.build_prompt("Why?", "") == finetuning.build_prompt("Why?", None)
+    assert "### Input:" not in finetuning.build_prompt("Why?", " ")
+
+
+def test_instruction_labels_cover_only_the_response(tokenizer):
+    dataset = datasets.Dataset.from_list([{"instruction": "What is 2 * 7?", "input": "", "output": "2 * 7 = 14"}])
+    (example,) = finetuning.tokenize_dataset(dataset, tokenizer, "instruction", max_seq_length=512)
+    prompt_length = len(tokenizer(finetuning.build_prompt("What is 2 * 7?"))["input_ids"])
+    response = tokenizer("2 * 7 = 14", add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    assert example["labels"] == [IGNORE_INDEX] * prompt_length + response
+    assert example["input_ids"][prompt_length:] == response
+    assert example["attention_mask"] == [1] * len(example["input_ids"])
+    # A prompt that fills --max_seq_length leaves nothing to learn: the example is dropped, not trained on.
+    assert finetuning.tokenize_dataset(dataset, tokenizer, "instruction", max_seq_length=prompt_length).num_rows == 0
+
+
+def test_plain_text_labels_cover_every_token(tokenizer):
+    dataset = datasets.Dataset.from_list([{"text": "flash attention saves memory"}])
+    (example,) = finetuning.tokenize_dataset(dataset, tokenizer, "text", max_seq_length=3)
+    assert example["labels"] == example["input_ids"] and len(example["input_ids"]) == 3
+
+
+def test_packing_keeps_every_token_and_label(tokenizer):
+    raw = datasets.load_dataset("json", data_files=str(DATA_FILE), split="train").select(range(20))
+    tokenized = finetuning.tokenize_dataset(raw, tokenizer, "instruction", max_seq_length=None)
+    packed = finetuning.pack_sequences(tokenized, 32)
+    assert all(len(ids) == 32 for ids in packed["input_ids"][:-1]) and 0 < len(packed["input_ids"][-1]) <= 32
+    for name in ("input_ids", "labels"):
+        assert sum(packed[name], []) == sum(tokenized[name], [])
+
+
+def test_data_files_of_each_format(tmp_path):
+    csv = write(tmp_path / "data.csv", "instruction,input,output\nAdd.,1 2,3\nName a color.,,red\n")
+    loaded, data_format = finetuning.load_raw_datasets(
+        train_file=str(csv), validation_file=None, dataset_name=None, validation_split_percentage=0
+    )
+    assert data_format == "instruction" and loaded["train"].num_rows == 2 and "validation" not in loaded
+    txt = write(tmp_path / "notes.txt", "first line\n\nsecond line\nthird line\n")
+    loaded, data_format = finetuning.load_raw_datasets(
+        train_file=str(txt), validation_file=str(txt), dataset_name=None
+    )
+    assert data_format == "text" and loaded["train"]["text"] == ["first line", "second line", "third line"]
+    with pytest.raises(FineTuningError, match="the validation data is instruction data"):
+        finetuning.load_raw_datasets(train_file=str(txt), validation_file=str(csv), dataset_name=None)
+
+
+def test_flags_survive_the_peft_wrapper(checkpoint):
+    model = GaudiLlamaForCausalLM.from_pretrained(checkpoint)
+    flags = finetuning.attention_flags_from(
+        AttentionArguments(use_flash_attention=True, flash_attention_fast_softmax=True)
+    )
+    finetuning.set_attention_flags(model, flags)
+    peft_model = finetuning.add_lora(model, finetuning.lora_config(rank=4, alpha=8, dropout=0.0))
+    assert peft_model.get_base_model().generation_config is model.generation_config
+    assert peft_model.generation_config.use_flash_attention is True
+    assert peft_model.generation_config.flash_attention_fast_softmax is True
+    with pytest.raises(FineTuningError, match="--lora_target_modules"):
+        finetuning.add_lora(
+            GaudiLlamaForCausalLM.from_pretrained(checkpoint),
+            finetuning.lora_config(rank=4, alpha=8, dropout=0.0, target_modules=["nope"]),
+        )
