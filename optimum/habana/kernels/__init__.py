@@ -1,4 +1,4 @@
-"""Fused attention kernels: the one place that knows devices."""
+"""Fused attention kernels: `dispatch` picks one by device; the Gaudi calls themselves live in `optimum.habana.hpu`."""
 
 from .dispatch import FusedSDPAUnavailable, fused_sdpa
 
