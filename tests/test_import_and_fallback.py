@@ -23,18 +23,6 @@ def test_import_without_habana_frameworks_is_silent():
     assert result.stdout == "" and result.stderr == ""
 
 
-def test_adapt_transformers_to_gaudi_registers_the_auto_class(tmp_path):
-    from transformers import AutoModelForCausalLM, LlamaForCausalLM
-
-    from optimum.habana import adapt_transformers_to_gaudi
-
-    LlamaForCausalLM(tiny_llama_config()).save_pretrained(tmp_path)
-    adapt_transformers_to_gaudi()
-    model = AutoModelForCausalLM.from_pretrained(tmp_path)
-    assert type(model) is GaudiLlamaForCausalLM
-    assert model.config._attn_implementation == "gaudi"
-
-
 def test_dropout_on_cpu_warns_once_and_runs_the_default_path(monkeypatch):
     """PyTorch's CPU fused kernel has no dropout: the flag then warns once, and attention stays correct."""
     torch.manual_seed(0)

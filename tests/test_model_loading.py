@@ -160,7 +160,7 @@ def test_gguf_of_another_architecture_is_rejected(tmp_path, monkeypatch):
         resolve_model(str(gguf_path))
 
     assert str(gguf_path) in str(error.value)
-    assert "Llama" in str(error.value)
+    assert "supported GGUF architectures: llama, mistral" in str(error.value)
 
 
 def test_invalid_gguf_file_is_rejected(tmp_path):

@@ -1,4 +1,4 @@
-"""Tests of examples/text-generation/run_generation.py and its helpers in optimum.habana.utils.text_generation.
+"""Tests of examples/text-generation/run_generation.py and its helpers in optimum.habana.example_support.text_generation.
 
 End-to-end runs use a tiny random Llama saved with a tokenizer trained here (no download); the embedded
 SmolLM2-135M-Instruct is converted once for the module, into the module's own cache, for a real answer.
@@ -21,13 +21,11 @@ import numpy as np
 import pytest
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import BatchEncoding, PreTrainedTokenizerFast
+from transformers import AutoModelForCausalLM, BatchEncoding, GPT2Config, PreTrainedTokenizerFast
 
-from optimum.habana import GaudiLlamaForCausalLM
-from optimum.habana.transformers import attention
-from optimum.habana.utils import text_generation
-from optimum.habana.utils.model_loading import CACHE_ENV_VAR, resolve_model
-from optimum.habana.utils.text_generation import (
+from optimum.habana import GaudiLlamaForCausalLM, supported_model_types
+from optimum.habana.example_support import text_generation
+from optimum.habana.example_support.text_generation import (
     DEFAULT_PROMPTS,
     RunMeasurement,
     benchmark,
@@ -39,8 +37,10 @@ from optimum.habana.utils.text_generation import (
     summarize_runs,
     tokenize_prompts,
 )
+from optimum.habana.transformers import attention
+from optimum.habana.utils.model_loading import CACHE_ENV_VAR, resolve_model
 
-from .utils import FLASH_KERNEL_CPU, count_attention_paths, tiny_llama_config
+from .utils import FLASH_KERNEL_CPU, count_attention_paths, tiny_config
 
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -125,11 +125,12 @@ def train_tiny_tokenizer(chat_template: bool) -> PreTrainedTokenizerFast:
     return fast
 
 
-def save_tiny_checkpoint(folder: Path, chat_template: bool = True) -> Path:
+def save_tiny_checkpoint(folder: Path, chat_template: bool = True, model_type: str = "llama") -> Path:
+    """A stock checkpoint of `model_type`, as a user would pass it, with a tokenizer beside it."""
     tokenizer = train_tiny_tokenizer(chat_template)
     torch.manual_seed(0)
-    config = tiny_llama_config(vocab_size=len(tokenizer), max_position_embeddings=128)
-    GaudiLlamaForCausalLM(config).save_pretrained(folder)
+    config = tiny_config(model_type, vocab_size=len(tokenizer), max_position_embeddings=128)
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
 
@@ -250,6 +251,17 @@ def tiny_argv(checkpoint: Path, *extra: str) -> list[str]:
         "1",
         *extra,
     ]
+
+
+@pytest.mark.parametrize("model_type", supported_model_types())
+def test_every_supported_family_runs_with_the_same_texts(script, model_type, tmp_path):
+    checkpoint = save_tiny_checkpoint(tmp_path / model_type, model_type=model_type)
+    argv = ["--model_name_or_path", str(checkpoint), "--batch_size", "2", "--max_new_tokens", "4"]
+    argv += ["--warmup", "0", "--n_iterations", "1"]
+    default = run_in_process(script, argv, tmp_path / "default")
+    flash = run_in_process(script, [*argv, "--use_flash_attention"], tmp_path / "flash")
+    assert outputs(flash) == outputs(default)
+    assert len(outputs(flash)) == 2 and all(outputs(flash))
 
 
 def test_flag_sends_every_attention_call_to_the_fused_kernel(script, tiny_checkpoint, monkeypatch, capsys):
@@ -494,6 +506,11 @@ def test_bad_arguments_are_usage_errors(script, tiny_checkpoint, argv, message, 
     assert "Traceback" not in stderr
 
 
+def save_gpt2_config(folder: Path) -> Path:
+    GPT2Config(n_layer=1, n_embd=16, n_head=2).save_pretrained(folder)
+    return folder
+
+
 def bad_model_inputs(tiny_checkpoint: Path, folder: Path) -> dict[str, tuple[list[str], str]]:
     no_template = folder / "no_chat_template"
     if not no_template.exists():
@@ -502,7 +519,11 @@ def bad_model_inputs(tiny_checkpoint: Path, folder: Path) -> dict[str, tuple[lis
     return {
         "gguf of another architecture": (
             ["--model_name_or_path", str(write_gguf(folder / "gpt2.gguf", "gpt2"))],
-            "only Llama-architecture GGUF files are supported",
+            "supported GGUF architectures: llama, mistral",
+        ),
+        "family without a Gaudi class": (
+            ["--model_name_or_path", str(save_gpt2_config(folder / "gpt2"))],
+            "is a 'gpt2' model, which has no Gaudi class; supported model types: llama, mistral, mixtral",
         ),
         "hub id without a hub": (["--model_name_or_path", "nobody/no-such-model"], "Hugging Face Hub"),
         "folder without config": (["--model_name_or_path", str(folder)], "no config.json"),

@@ -1,5 +1,5 @@
 """Tests of LoRA fine-tuning with the attention flags: examples/language-modeling/run_lora_clm.py and
-optimum.habana.utils.finetuning.
+optimum.habana.example_support.finetuning.
 
 Everything runs on a tiny random Llama and a word-level tokenizer trained here on the shipped dataset: no download.
 The script's `main(argv, callbacks)` runs in-process so the attention calls can be counted and the gradients read.
@@ -17,15 +17,15 @@ import datasets
 import pytest
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-from transformers import LlamaForCausalLM, PreTrainedTokenizerFast, TrainerCallback
+from transformers import AutoModelForCausalLM, LlamaForCausalLM, PreTrainedTokenizerFast, TrainerCallback
 
+from optimum.habana import GaudiLlamaForCausalLM
+from optimum.habana.example_support import finetuning
+from optimum.habana.example_support.arguments import AttentionArguments
+from optimum.habana.example_support.finetuning import IGNORE_INDEX, FineTuningError
 from optimum.habana.transformers import attention
-from optimum.habana.transformers.models.llama import GaudiLlamaForCausalLM
-from optimum.habana.utils import finetuning
-from optimum.habana.utils.arguments import AttentionArguments
-from optimum.habana.utils.finetuning import IGNORE_INDEX, FineTuningError
 
-from .utils import FLASH_KERNEL_CPU, count_attention_paths, tiny_llama_config
+from .utils import FLASH_KERNEL_CPU, count_attention_paths, tiny_config, tiny_llama_config
 
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -351,6 +351,30 @@ def test_data_files_of_each_format(tmp_path):
     assert data_format == "text" and loaded["train"]["text"] == ["first line", "second line", "third line"]
     with pytest.raises(FineTuningError, match="the validation data is instruction data"):
         finetuning.load_raw_datasets(train_file=str(txt), validation_file=str(csv), dataset_name=None)
+
+
+@pytest.mark.parametrize("model_type", ["mistral", "qwen2_moe", "gemma2", "phi3"])
+def test_other_families_fine_tune_with_the_same_losses(script, tokenizer, model_type, tmp_path):
+    """A sliding-window family, a mixture of experts, a soft-capped one and one with fused q/k/v projections."""
+    folder = tmp_path / model_type
+    torch.manual_seed(0)
+    config = tiny_config(model_type, vocab_size=len(tokenizer), initializer_range=0.1)
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    args = "--do_train --max_steps 2 --per_device_train_batch_size 4 --logging_steps 1 --lora_dropout 0"
+    args += " --validation_split_percentage 0 --max_seq_length 64"
+    default = run_script(script, script_args(folder, tmp_path / "default", *args.split()))
+    flash = run_script(script, script_args(folder, tmp_path / "flash", *args.split(), "--use_flash_attention"))
+    assert len(flash.losses) == 2
+    assert flash.losses == pytest.approx(default.losses, abs=1e-5)
+    assert default.counts["fused"] == 0
+    if model_type == "gemma2":  # soft-capped logits: every call takes the default path, with one warning
+        assert flash.counts["fused"] == 0 and flash.counts["default"] > 0
+    else:
+        assert flash.counts["fused"] > 0 and flash.counts["default"] == 0
+    adapted = {name.split(".lora_")[0].rsplit(".", 1)[-1] for name in flash.gradients[0]}
+    expected = {"qkv_proj", "o_proj"} if model_type == "phi3" else {"q_proj", "k_proj", "v_proj", "o_proj"}
+    assert adapted == expected
 
 
 def test_flags_survive_the_peft_wrapper(checkpoint):

@@ -6,7 +6,7 @@ from contextlib import contextmanager
 
 import pytest
 import torch
-from transformers import LlamaConfig
+from transformers import AutoConfig, LlamaConfig, PreTrainedConfig
 
 from optimum.habana.transformers import attention
 
@@ -30,6 +30,13 @@ def tiny_llama_config(**overrides) -> LlamaConfig:
     values = {**TINY_SIZES, "max_position_embeddings": 2048, "bos_token_id": 1, "eos_token_id": 2}
     values.update(overrides)
     return LlamaConfig(**values)
+
+
+def tiny_config(model_type: str, **overrides) -> PreTrainedConfig:
+    """A tiny random config of any family, with the same sizes and special tokens as `tiny_llama_config`."""
+    values = {**TINY_SIZES, "max_position_embeddings": 2048, "bos_token_id": 1, "eos_token_id": 2}
+    values.update(overrides)
+    return AutoConfig.for_model(model_type, **values)
 
 
 def left_padded_batch(lengths: list[int], seed: int = 0) -> dict[str, torch.Tensor]:

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""LoRA fine-tuning of a Llama causal LM with the Gaudi attention, on transformers' Trainer and PEFT.
+"""LoRA fine-tuning of a causal LM (any supported family) with the Gaudi attention, on transformers' Trainer and PEFT.
 
     python examples/language-modeling/run_lora_clm.py --output_dir outputs/lora --do_train --do_eval \
         --use_flash_attention --max_steps 40 --learning_rate 1e-3 --per_device_train_batch_size 8
@@ -31,8 +31,9 @@ from transformers import (
     set_seed,
 )
 
-from optimum.habana.utils import devices, finetuning
-from optimum.habana.utils.arguments import AttentionArguments
+from optimum.habana.example_support import finetuning
+from optimum.habana.example_support.arguments import AttentionArguments
+from optimum.habana.utils import devices
 from optimum.habana.utils.model_loading import ModelResolutionError
 from optimum.habana.utils.pretrained import load_model_and_tokenizer
 
@@ -48,7 +49,7 @@ class ModelArguments:
     model_name_or_path: str | None = field(
         default=None,
         metadata={
-            "help": "A local checkpoint folder, a Llama .gguf file or a hub repo id; by default the embedded "
+            "help": "A local checkpoint folder of a supported family, a .gguf file or a hub repo id; by default the embedded "
             "SmolLM2-135M-Instruct (same resolution as run_generation.py)."
         },
     )
@@ -99,9 +100,12 @@ class LoraArguments:
         default=16, metadata={"help": "LoRA scaling numerator (the update is scaled by alpha/r)."}
     )
     lora_dropout: float = field(default=0.05, metadata={"help": "Dropout on the LoRA branch's input."})
-    lora_target_modules: list[str] = field(
-        default_factory=lambda: list(finetuning.DEFAULT_LORA_TARGET_MODULES),
-        metadata={"help": "Modules that get adapters; default: the attention projections."},
+    lora_target_modules: list[str] | None = field(
+        default=None,
+        metadata={
+            "help": "Modules that get adapters; default: the model's attention projections (q_proj k_proj v_proj "
+            "o_proj, or qkv_proj o_proj for Phi3)."
+        },
     )
 
 

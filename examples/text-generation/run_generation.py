@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Generate text with a Llama model and measure it, with the fused attention kernel (--use_flash_attention) or not.
+"""Generate text with a causal LM and measure it, with the fused attention kernel (--use_flash_attention) or not.
 
     python examples/text-generation/run_generation.py                        # embedded SmolLM2-135M-Instruct
     python examples/text-generation/run_generation.py --use_flash_attention  # the same through the fused kernel
@@ -7,7 +7,7 @@
 
 It prints the generated texts, then throughput, first-token latency, memory, load and compile times;
 --output_dir also writes them to results.json. `--help` lists every argument; docs/run_generation.md explains them.
-The reusable pieces live in `optimum.habana.utils.text_generation`.
+The reusable pieces live in `optimum.habana.example_support.text_generation`.
 """
 
 import logging
@@ -16,10 +16,7 @@ import time
 from collections.abc import Sequence
 
 from optimum.habana import hpu
-from optimum.habana.utils.devices import memory_stats, model_size_bytes, reset_peak_memory
-from optimum.habana.utils.model_loading import ModelResolutionError
-from optimum.habana.utils.pretrained import load_model_and_tokenizer
-from optimum.habana.utils.text_generation import (
+from optimum.habana.example_support.text_generation import (
     apply_peft_adapter,
     benchmark,
     build_generation_config,
@@ -40,6 +37,9 @@ from optimum.habana.utils.text_generation import (
     usage_error,
     write_results,
 )
+from optimum.habana.utils.devices import memory_stats, model_size_bytes, reset_peak_memory
+from optimum.habana.utils.model_loading import ModelResolutionError
+from optimum.habana.utils.pretrained import load_model_and_tokenizer
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,15 +1,33 @@
-"""optimum.habana: flash attention for Llama on Intel Gaudi (HPU), CUDA and CPU, on transformers 5.
+"""optimum.habana: flash attention for transformers' causal LMs on Intel Gaudi (HPU), CUDA and CPU.
 
-The Gaudi software (`habana_frameworks`) is optional: it is imported the first time a fused kernel runs on an HPU.
+`supported_model_types()` lists the families with a Gaudi class; `adapt_transformers_to_gaudi()` makes
+`AutoModelForCausalLM` build them. The Gaudi software (`habana_frameworks`) is optional: it is imported the first
+time a fused kernel runs on an HPU.
 """
 
 from .transformers import (
     ATTENTION_FLAG_NAMES,
     AttentionFlags,
+    GaudiAttentionMixin,
+    GaudiGemma2ForCausalLM,
+    GaudiGemma3ForCausalLM,
+    GaudiGemmaForCausalLM,
     GaudiGenerationConfig,
+    GaudiGraniteForCausalLM,
     GaudiLlamaForCausalLM,
+    GaudiMistralForCausalLM,
+    GaudiMixtralForCausalLM,
+    GaudiOlmo2ForCausalLM,
+    GaudiPhi3ForCausalLM,
+    GaudiQwen2ForCausalLM,
+    GaudiQwen2MoeForCausalLM,
+    GaudiQwen3ForCausalLM,
+    GaudiQwen3MoeForCausalLM,
+    GaudiStarcoder2ForCausalLM,
     adapt_transformers_to_gaudi,
     gaudi_attention_forward,
+    gaudi_model_class,
+    supported_model_types,
 )
 from .version import __version__
 
@@ -17,9 +35,25 @@ from .version import __version__
 __all__ = [
     "ATTENTION_FLAG_NAMES",
     "AttentionFlags",
+    "GaudiAttentionMixin",
+    "GaudiGemma2ForCausalLM",
+    "GaudiGemma3ForCausalLM",
+    "GaudiGemmaForCausalLM",
     "GaudiGenerationConfig",
+    "GaudiGraniteForCausalLM",
     "GaudiLlamaForCausalLM",
+    "GaudiMistralForCausalLM",
+    "GaudiMixtralForCausalLM",
+    "GaudiOlmo2ForCausalLM",
+    "GaudiPhi3ForCausalLM",
+    "GaudiQwen2ForCausalLM",
+    "GaudiQwen2MoeForCausalLM",
+    "GaudiQwen3ForCausalLM",
+    "GaudiQwen3MoeForCausalLM",
+    "GaudiStarcoder2ForCausalLM",
     "__version__",
     "adapt_transformers_to_gaudi",
     "gaudi_attention_forward",
+    "gaudi_model_class",
+    "supported_model_types",
 ]

@@ -1,24 +1,47 @@
-"""The Gaudi attention: one function that transformers' attention interface calls for every layer.
+"""The Gaudi attention: one function that transformers' attention interface calls for every layer of every family.
 
 With `use_flash_attention` it runs the fused kernel of the device (`optimum.habana.kernels`); otherwise, or when
-no fused kernel can take the inputs, the explicit matmul-softmax attention. It is registered under the name
-"gaudi" together with transformers' SDPA mask function, so any model family that looks its attention up through
-`ALL_ATTENTION_FUNCTIONS` (Llama, Mistral, Qwen2, ...) can use it by setting `attn_implementation="gaudi"`.
+no fused kernel can honour the call (soft-capped logits, or inputs the device's kernel rejects), the explicit
+matmul-softmax attention. It is registered under the names "gaudi" and "gaudi_fused_sdpa" together with
+transformers' SDPA mask function, so any model family that looks its attention up through
+`ALL_ATTENTION_FUNCTIONS` can use it by setting `attn_implementation="gaudi"`.
 
-The mask contract (from `transformers.masking_utils.sdpa_mask`): a boolean `[B, 1, q, kv]` mask (True = attend),
-or None when causality alone is exact: "causal, top-left aligned" for q > 1, "no mask" for q == 1.
+The mask contract (from `transformers.masking_utils`): a boolean `[B, 1, q, kv]` mask (True = attend) or an
+additive float mask, or None when causality alone is exact: "causal, top-left aligned" for q > 1, "no mask" for
+q == 1. Sliding windows and packed sequences are part of the mask, so both paths honour them by reading it.
 """
 
 import torch
 from torch import nn
-from transformers import AttentionInterface
+from transformers import AttentionInterface, PreTrainedConfig
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from ..kernels.dispatch import FusedSDPAUnavailable, fused_sdpa, warn_once
-from .attention_flags import ATTENTION_FLAG_NAMES, AttentionFlags
+from .attention_flags import AttentionFlags, pop_attention_flags, resolve_attention_flags
 
 
 ATTENTION_IMPLEMENTATION = "gaudi"
+# Optimum-Habana's name for the fused attention; registered as the same function.
+FUSED_SDPA_IMPLEMENTATION = "gaudi_fused_sdpa"
+
+# Keywords that families pass to every attention function and that need nothing here: the model or the mask has
+# already used them (positions, packed-sequence boundaries, caching), or they switch model-level outputs.
+# Any other keyword is an error, so that a family feature is never dropped silently.
+IGNORED_ATTENTION_KWARGS = frozenset(
+    {
+        "position_ids",
+        "cache_position",
+        "use_cache",
+        "output_hidden_states",
+        "output_router_logits",
+        "num_items_in_batch",
+        "cu_seq_lens_q",
+        "cu_seq_lens_k",
+        "max_length_q",
+        "max_length_k",
+        "seq_idx",
+    }
+)
 
 
 def gaudi_attention_forward(
@@ -29,6 +52,10 @@ def gaudi_attention_forward(
     attention_mask: torch.Tensor | None,
     scaling: float | None = None,
     dropout: float = 0.0,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    is_causal: bool | None = None,
+    output_attentions: bool | None = None,
     valid_sequence_lengths: torch.Tensor | None = None,
     padding_side: str = "left",
     **kwargs,
@@ -40,28 +67,60 @@ def gaudi_attention_forward(
     fused kernel then runs causally over the real tokens instead of reading a mask.
     Weights are returned by the default path only: the fused kernel never materialises them.
     """
-    flags = AttentionFlags(**{name: bool(kwargs.get(name)) for name in ATTENTION_FLAG_NAMES})
+    flags = resolve_attention_flags(pop_attention_flags(kwargs))
+    unknown = set(kwargs) - IGNORED_ATTENTION_KWARGS
+    if unknown:
+        raise TypeError(
+            f"The Gaudi attention does not know the argument(s) {sorted(unknown)} that {type(module).__name__} passes, "
+            "so it cannot honour them. This model family is not supported by optimum.habana: use transformers' own "
+            "attn_implementation for it."
+        )
     if flags.use_flash_attention:
-        try:
-            output = flash_attention(
-                module,
-                query,
-                key,
-                value,
-                attention_mask,
-                scaling,
-                dropout,
-                flags,
-                valid_sequence_lengths,
-                padding_side,
-            )
-            return output.transpose(1, 2).contiguous(), None
-        except FusedSDPAUnavailable as reason:
-            warn_once(f"use_flash_attention: {reason}. Running the default attention instead; results are unchanged.")
+        reason = fused_path_refusal(module, softcap, output_attentions)
+        if reason is None:
+            try:
+                output = flash_attention(
+                    module,
+                    query,
+                    key,
+                    value,
+                    attention_mask,
+                    scaling,
+                    dropout,
+                    flags,
+                    sliding_window,
+                    is_causal,
+                    valid_sequence_lengths,
+                    padding_side,
+                )
+                return output.transpose(1, 2).contiguous(), None
+            except FusedSDPAUnavailable as error:
+                reason = str(error)
+        warn_once(f"use_flash_attention: {reason}. Running the default attention instead; results are unchanged.")
     softmax_dtype = query.dtype if flags.attn_softmax_bf16 else torch.float32
     return matmul_softmax_attention(
-        query, key, value, attention_mask, scaling, dropout if module.training else 0.0, softmax_dtype
+        query,
+        key,
+        value,
+        attention_mask,
+        scaling,
+        dropout if module.training else 0.0,
+        softmax_dtype,
+        softcap=softcap,
+        is_causal=is_causal is not False,
     )
+
+
+def fused_path_refusal(module: nn.Module, softcap: float | None, output_attentions: bool | None) -> str | None:
+    """Why this call cannot run in a fused kernel exactly, or None when it can."""
+    if softcap is not None:
+        return (
+            f"{type(module).__name__} soft-caps its attention logits (softcap={softcap}), which no fused kernel "
+            "computes; its calls take the default path"
+        )
+    if output_attentions:
+        return "output_attentions=True asks for the attention weights, which the fused kernel never materialises"
+    return None
 
 
 def flash_attention(
@@ -73,6 +132,8 @@ def flash_attention(
     scaling: float | None,
     dropout: float,
     flags: AttentionFlags,
+    sliding_window: int | None,
+    is_causal: bool | None,
     valid_sequence_lengths: torch.Tensor | None,
     padding_side: str,
 ) -> torch.Tensor:
@@ -81,18 +142,25 @@ def flash_attention(
     is_prefill = q_len > 1
     if not (flags.flash_attention_causal_mask and is_prefill):
         valid_sequence_lengths = None
-    if valid_sequence_lengths is not None or (attention_mask is None and is_prefill):
+    if valid_sequence_lengths is not None and sliding_window is not None and q_len > sliding_window:
+        # Valid lengths replace the mask, and the mask is what carries the window: keep the mask for this layer.
+        warn_once(
+            f"flash_attention_causal_mask: {type(module).__name__} attends within a sliding window of "
+            f"{sliding_window} tokens, shorter than this prompt ({q_len}); its layers read the mask to keep the window."
+        )
+        valid_sequence_lengths = None
+    if valid_sequence_lengths is not None or (attention_mask is None and is_prefill and is_causal is not False):
         # Causal prefill from an empty cache: a static cache's unused slots lie past the prompt, drop them.
         key, value = key[:, :, :q_len], value[:, :, :q_len]
-        attention_mask, is_causal = None, True
+        attention_mask, causal = None, True
     else:
-        is_causal = False
+        causal = False
     return fused_sdpa(
         query,
         key,
         value,
         attention_mask,
-        is_causal=is_causal,
+        is_causal=causal,
         scale=scaling,
         dropout_p=dropout if module.training else 0.0,
         # The fast softmax pays off on long prompts only; decode stays exact (it cost throughput there).
@@ -112,9 +180,13 @@ def matmul_softmax_attention(
     scaling: float | None,
     dropout: float = 0.0,
     softmax_dtype: torch.dtype = torch.float32,
+    *,
+    softcap: float | None = None,
+    is_causal: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The default path: `softmax(Q Kᵀ * scale + mask) V`, with the full score matrix.
+    """The default path: `softmax(cap(Q Kᵀ * scale) + mask) V`, with the full score matrix.
 
+    `softcap` bounds the logits as `softcap * tanh(logits / softcap)` before the mask, as Gemma 2 trains with.
     Grouped-query attention views the query as `[B, Hkv, groups, q, D]` so key/value are never repeated.
     """
     batch, heads, q_len, head_dim = query.shape
@@ -123,7 +195,9 @@ def matmul_softmax_attention(
     grouped_query = query.view(batch, kv_heads, heads // kv_heads, q_len, head_dim)
 
     scores = torch.matmul(grouped_query, key.unsqueeze(2).transpose(-1, -2)) * scaling
-    if attention_mask is None and q_len > 1:
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    if attention_mask is None and q_len > 1 and is_causal:
         attention_mask = torch.ones(q_len, kv_len, dtype=torch.bool, device=query.device).tril()
     if attention_mask is not None:
         if attention_mask.dim() == 4:
@@ -140,10 +214,35 @@ def matmul_softmax_attention(
     return output, probabilities.view(batch, heads, q_len, kv_len)
 
 
+class AttentionConfigView:
+    """A model config as the attention layers of a Gaudi model read it.
+
+    Every value is read live from the model's config, except `_attn_implementation`, which names the Gaudi
+    attention. The config itself keeps what the user asked for ("eager", "sdpa", ...), where transformers' own
+    checks and the mask construction read it, while every layer's attention lookup still finds the Gaudi attention.
+    """
+
+    _attn_implementation = ATTENTION_IMPLEMENTATION
+
+    def __init__(self, config: PreTrainedConfig) -> None:
+        object.__setattr__(self, "config", config)
+
+    def __getattr__(self, name: str):
+        return getattr(self.config, name)
+
+    def __setattr__(self, name: str, value) -> None:
+        setattr(self.config, name, value)
+
+    def __reduce__(self):
+        # Pickled and deep-copied models keep a live view of their own (copied) config.
+        return AttentionConfigView, (self.config,)
+
+
 def register_gaudi_attention() -> None:
-    """Register the attention and its mask under one name; a name without a mask function gets no mask at all."""
-    AttentionInterface.register(ATTENTION_IMPLEMENTATION, gaudi_attention_forward)
-    AttentionMaskInterface.register(ATTENTION_IMPLEMENTATION, sdpa_mask)
+    """Register the attention and its mask under our names; a name without a mask function gets no mask at all."""
+    for name in (ATTENTION_IMPLEMENTATION, FUSED_SDPA_IMPLEMENTATION):
+        AttentionInterface.register(name, gaudi_attention_forward)
+        AttentionMaskInterface.register(name, sdpa_mask)
 
 
 register_gaudi_attention()

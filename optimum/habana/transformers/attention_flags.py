@@ -1,4 +1,10 @@
-"""The five attention flags, their validation and their precedence, shared by every route that sets them.
+"""The attention flags: defined once here, with their validation and their precedence.
+
+Everything else derives from `AttentionFlags`: the generation config's attributes, the keyword arguments the models'
+`forward` takes, the command-line arguments of the example scripts and the attention function's reading of them.
+Each field says what it means (`help`) and which path it configures (`applies_to`): "fused" flags need
+`use_flash_attention`, "default" flags only act without it. Adding a flag means adding a field here and the code
+that acts on it.
 
 A flag can be given per call (forward or generate kwarg), per generate call through a generation config, or per
 model through `model.generation_config`. Each is resolved on its own: the first route that sets it wins, and
@@ -6,28 +12,45 @@ unset means off.
 """
 
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, fields
-from typing import Any
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, Literal, TypedDict
 
 
-# Flags that only mean something with the fused kernel, and the one that only means something without it.
-FLASH_ATTENTION_COMPANIONS = (
-    "flash_attention_recompute",
-    "flash_attention_causal_mask",
-    "flash_attention_fast_softmax",
-)
-DEFAULT_PATH_FLAGS = ("attn_softmax_bf16",)
+AppliesTo = Literal["switch", "fused", "default"]
+
+
+def _flag(help: str, applies_to: AppliesTo) -> Any:
+    return field(default=False, metadata={"help": help, "applies_to": applies_to})
 
 
 @dataclass(frozen=True)
 class AttentionFlags:
-    """Which attention runs and how; see docs/attention.md for what each flag does per device."""
+    """Which attention runs and how; docs/attention.md says what each flag does per device."""
 
-    use_flash_attention: bool = False
-    flash_attention_recompute: bool = False
-    flash_attention_causal_mask: bool = False
-    flash_attention_fast_softmax: bool = False
-    attn_softmax_bf16: bool = False
+    use_flash_attention: bool = _flag(
+        "Run attention through the fused kernel (Gaudi FusedSDPA; PyTorch's fused SDPA on CUDA/CPU) instead of the "
+        "default matmul-softmax attention. Same results, O(N) instead of O(N^2) attention memory.",
+        "switch",
+    )
+    flash_attention_recompute: bool = _flag(
+        "With use_flash_attention: recompute attention in backward and on the prompt instead of keeping "
+        "intermediates (Gaudi). PyTorch's fused kernels always recompute.",
+        "fused",
+    )
+    flash_attention_causal_mask: bool = _flag(
+        "With use_flash_attention: run a padded prompt through the kernel's causal mode with per-row valid lengths "
+        "instead of a materialised padding mask.",
+        "fused",
+    )
+    flash_attention_fast_softmax: bool = _flag(
+        "With use_flash_attention: the kernel's faster, slightly less exact softmax, on the prompt only (Gaudi; "
+        "elsewhere a warning and the exact softmax).",
+        "fused",
+    )
+    attn_softmax_bf16: bool = _flag(
+        "Default attention only (not with use_flash_attention): softmax in the model dtype (bf16) instead of fp32.",
+        "default",
+    )
 
     def __post_init__(self) -> None:
         for name, value in self.as_dict().items():
@@ -38,7 +61,16 @@ class AttentionFlags:
         return asdict(self)
 
 
-ATTENTION_FLAG_NAMES = tuple(field.name for field in fields(AttentionFlags))
+ATTENTION_FLAG_NAMES = tuple(flag.name for flag in fields(AttentionFlags))
+ATTENTION_FLAG_HELP = {flag.name: flag.metadata["help"] for flag in fields(AttentionFlags)}
+# Flags that only mean something with the fused kernel, and those that only mean something without it.
+FLASH_ATTENTION_COMPANIONS = tuple(
+    flag.name for flag in fields(AttentionFlags) if flag.metadata["applies_to"] == "fused"
+)
+DEFAULT_PATH_FLAGS = tuple(flag.name for flag in fields(AttentionFlags) if flag.metadata["applies_to"] == "default")
+
+# The flags as keyword arguments of a model's forward and generate (None: not set by this call).
+AttentionFlagKwargs = TypedDict("AttentionFlagKwargs", dict.fromkeys(ATTENTION_FLAG_NAMES, bool | None), total=False)
 
 
 def check_flag_value(name: str, value: Any) -> None:
@@ -70,6 +102,11 @@ def attention_flags_of(config: Any) -> dict[str, bool | None]:
     if config is None:
         return {}
     return {name: getattr(config, name) for name in ATTENTION_FLAG_NAMES if getattr(config, name, None) is not None}
+
+
+def pop_attention_flags(kwargs: dict[str, Any]) -> dict[str, bool | None]:
+    """Remove the flags from a call's keyword arguments and return those it sets."""
+    return {name: kwargs.pop(name) for name in ATTENTION_FLAG_NAMES if name in kwargs}
 
 
 def resolve_attention_flags(*routes: Mapping[str, bool | None]) -> AttentionFlags:

