@@ -9,7 +9,7 @@ the model transformers' own (same layers, weights, loading and saving) and adds:
 - the flags as `forward` keyword arguments, resolved once per call, falling back to `model.generation_config`;
 - gradient checkpointing forcing the kernel's recompute, and the causal-mask mode's per-row valid lengths;
 - the generation config loaded as a `GaudiGenerationConfig`, and the bridge that carries the flags from
-  `generate()` to every forward.
+  `generate()` to every forward; a `BucketedStaticCache` learns each step's length before the step runs.
 """
 
 import copy
@@ -32,6 +32,7 @@ from .attention_flags import (
     pop_attention_flags,
     resolve_attention_flags,
 )
+from .cache import BucketedStaticCache
 from .generation import GaudiGenerationConfig, GaudiGenerationMixin
 
 
@@ -102,6 +103,18 @@ class GaudiAttentionMixin(GaudiGenerationMixin):
             )
         model._apply_attn_implementation_default()
         return loaded
+
+    def prepare_inputs_for_generation(self, input_ids: torch.LongTensor, **kwargs: Any) -> dict[str, Any]:
+        """Also tell a bucketed static cache how many tokens the next forward adds, outside any compiled region."""
+        cache = kwargs.get("past_key_values")
+        if isinstance(cache, BucketedStaticCache):
+            new_tokens = kwargs.get("next_sequence_length")
+            if new_tokens is None:
+                embeds = kwargs.get("inputs_embeds")
+                prompt_embeds = embeds is not None and kwargs.get("is_first_iteration")
+                new_tokens = embeds.shape[1] if prompt_embeds else input_ids.shape[1] - cache.tokens
+            cache.prepare_for_new_tokens(new_tokens)
+        return super().prepare_inputs_for_generation(input_ids, **kwargs)
 
     def _validate_model_kwargs(self, model_kwargs: dict[str, Any]) -> None:
         # The flags are forward arguments through `**kwargs`, which transformers' check cannot see.
