@@ -1,9 +1,12 @@
 """The flag reaches the kernel by every route, with the documented precedence, and invalid settings are refused."""
 
+import copy
+
 import pytest
 import torch
 
 from optimum.habana import GaudiGenerationConfig, GaudiLlamaForCausalLM
+from optimum.habana.transformers import attention
 from optimum.habana.transformers.attention_flags import resolve_attention_flags
 from tests.utils import FLASH_KERNEL_CPU, count_attention_paths, tiny_llama_config
 
@@ -205,11 +208,25 @@ def test_turning_flash_off_per_call_drops_the_models_companions(model, inputs, m
     assert_none_fused(counts)
 
 
-def test_softmax_bf16_with_flash_is_an_error(model, inputs):
-    with pytest.raises(ValueError, match="`attn_softmax_bf16` applies to the default"):
-        GaudiGenerationConfig(use_flash_attention=True, attn_softmax_bf16=True)
-    with pytest.raises(ValueError, match="`attn_softmax_bf16` applies to the default"):
-        generate(model, inputs, use_flash_attention=True, attn_softmax_bf16=True)
+def test_softmax_bf16_with_flash_applies_to_the_calls_on_the_default_path(model, inputs, monkeypatch):
+    """Accepted (Optimum-Habana's command lines combine them): fused calls ignore it, default-path calls use it."""
+    GaudiGenerationConfig(use_flash_attention=True, attn_softmax_bf16=True)  # no error
+    softmax_dtypes = []
+    default_path = attention.matmul_softmax_attention
+
+    def spy(query, key, value, mask, scaling, dropout, softmax_dtype, **kwargs):
+        softmax_dtypes.append(softmax_dtype)
+        return default_path(query, key, value, mask, scaling, dropout, softmax_dtype, **kwargs)
+
+    monkeypatch.setattr(attention, "matmul_softmax_attention", spy)
+    bf16_model = copy.deepcopy(model).to(torch.bfloat16)
+    with pytest.warns(UserWarning, match="attn_softmax_bf16 with use_flash_attention: the fused kernel computes"):
+        flash = generate(bf16_model, inputs, use_flash_attention=True, attn_softmax_bf16=True)
+    assert softmax_dtypes == []  # every call was fused
+    assert torch.equal(flash, generate(bf16_model, inputs, use_flash_attention=True))
+    # A call that takes the default path (attention weights asked for) gets the bf16 softmax.
+    bf16_model(**inputs, use_flash_attention=True, attn_softmax_bf16=True, output_attentions=True)
+    assert softmax_dtypes and set(softmax_dtypes) == {torch.bfloat16}
 
 
 @pytest.mark.parametrize("value", ["yes", 1, 0.0])

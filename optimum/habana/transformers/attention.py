@@ -17,7 +17,7 @@ from transformers import AttentionInterface, PreTrainedConfig
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from ..kernels.dispatch import FusedSDPAUnavailable, fused_sdpa, warn_once
-from .attention_flags import AttentionFlags, pop_attention_flags, resolve_attention_flags
+from .attention_flags import DEFAULT_PATH_FLAGS, AttentionFlags, pop_attention_flags, resolve_attention_flags
 
 
 ATTENTION_IMPLEMENTATION = "gaudi"
@@ -76,6 +76,12 @@ def gaudi_attention_forward(
             "attn_implementation for it."
         )
     if flags.use_flash_attention:
+        for name in DEFAULT_PATH_FLAGS:
+            if getattr(flags, name):
+                warn_once(
+                    f"{name} with use_flash_attention: the fused kernel computes its own softmax, so {name} applies "
+                    "only to the calls that take the default path (soft-capped logits, attention weights asked for)."
+                )
         reason = fused_path_refusal(module, softcap, output_attentions)
         if reason is None:
             try:

@@ -3,7 +3,8 @@
 Everything else derives from `AttentionFlags`: the generation config's attributes, the keyword arguments the models'
 `forward` takes, the command-line arguments of the example scripts and the attention function's reading of them.
 Each field says what it means (`help`) and which path it configures (`applies_to`): "fused" flags need
-`use_flash_attention`, "default" flags only act without it. Adding a flag means adding a field here and the code
+`use_flash_attention`, "default" flags configure the default path: with `use_flash_attention` they apply to the calls
+that take it anyway (soft-capped logits, attention weights asked for), and the attention says so once. Adding a flag means adding a field here and the code
 that acts on it.
 
 A flag can be given per call (forward or generate kwarg), per generate call through a generation config, or per
@@ -48,7 +49,8 @@ class AttentionFlags:
         "fused",
     )
     attn_softmax_bf16: bool = _flag(
-        "Default attention only (not with use_flash_attention): softmax in the model dtype (bf16) instead of fp32.",
+        "Default attention: softmax in the model dtype (bf16) instead of fp32. With use_flash_attention it applies "
+        "only to the calls that take the default path; the fused kernel computes its own softmax.",
         "default",
     )
 
@@ -80,20 +82,17 @@ def check_flag_value(name: str, value: Any) -> None:
 
 
 def check_flag_combination(flags: Mapping[str, Any]) -> None:
-    """Reject settings that would silently do nothing."""
+    """Reject settings that would silently do nothing.
+
+    Default-path flags with `use_flash_attention` are accepted: some calls take the default path whatever the flag
+    (soft-capping, attention weights), and Optimum-Habana's command lines combine the two.
+    """
     use_flash_attention = flags.get("use_flash_attention")
     for name in FLASH_ATTENTION_COMPANIONS:
         if flags.get(name) and not use_flash_attention:
             raise ValueError(
                 f"`{name}` requires `use_flash_attention`: it configures the fused attention kernel. "
                 f"Turn `use_flash_attention` on, or drop `{name}`."
-            )
-    for name in DEFAULT_PATH_FLAGS:
-        if flags.get(name) and use_flash_attention:
-            raise ValueError(
-                f"`{name}` applies to the default (matmul-softmax) attention and has no effect with "
-                f"`use_flash_attention`, whose kernel computes the softmax itself. Drop one of the two "
-                "(`flash_attention_fast_softmax` is the fused kernel's faster softmax)."
             )
 
 
