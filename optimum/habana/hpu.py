@@ -59,7 +59,10 @@ def hpu_memory_stats() -> dict[str, int]:
     import habana_frameworks.torch.hpu as hthpu
 
     stats = hthpu.memory_stats()
-    return {"allocated": int(stats["InUse"]), "max_allocated": int(stats["MaxInUse"])}
+    readings = {"allocated": int(stats["InUse"]), "max_allocated": int(stats["MaxInUse"])}
+    if "Limit" in stats:
+        readings["total"] = int(stats["Limit"])
+    return readings
 
 
 def reset_hpu_peak_memory() -> None:
@@ -74,8 +77,23 @@ def synchronize_hpu() -> None:
     hthpu.synchronize()
 
 
-def wrap_in_hpu_graph(model: torch.nn.Module) -> torch.nn.Module:
-    """Record the model's launches once and replay them: the HPU's answer to per-op launch overhead."""
+def wrap_in_hpu_graph(model: torch.nn.Module, prompt_in_graph: bool = True) -> torch.nn.Module:
+    """Record the model's launches once and replay them: the HPU's answer to per-op launch overhead.
+
+    Without `prompt_in_graph` (Optimum-Habana's --limit_hpu_graphs) prompts run eagerly and only decode steps
+    (one new token per row) replay graphs: each prompt shape would otherwise record, and keep, a graph of its own.
+    """
     from habana_frameworks.torch.hpu import wrap_in_hpu_graph as wrap
 
-    return wrap(model)
+    eager_forward = model.forward
+    model = wrap(model)
+    if not prompt_in_graph:
+        graph_forward = model.forward
+
+        def forward(*args, **kwargs):
+            input_ids = kwargs.get("input_ids", args[0] if args else None)
+            is_prompt = input_ids is not None and input_ids.shape[-1] > 1
+            return eager_forward(*args, **kwargs) if is_prompt else graph_forward(*args, **kwargs)
+
+        model.forward = forward
+    return model

@@ -4,6 +4,7 @@ HPU calls go through `optimum.habana.hpu`; CUDA through torch.cuda; the CPU read
 """
 
 import contextlib
+import os
 import resource
 from pathlib import Path
 
@@ -65,6 +66,18 @@ def memory_stats(device: torch.device) -> dict[str, int]:
     if device.type == "hpu":
         return hpu.hpu_memory_stats()
     return {"allocated": _current_rss(), "max_allocated": _peak_rss()}
+
+
+def total_memory(device: torch.device) -> int | None:
+    """Bytes the device has in all (CPU: the machine's physical memory); None where it does not say."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    if device.type == "hpu":
+        return hpu.hpu_memory_stats().get("total")
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
 
 
 def _current_rss() -> int:
