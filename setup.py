@@ -34,6 +34,8 @@ setup(
     long_description_content_type="text/markdown",
     license="Apache-2.0",
     packages=find_namespace_packages(include=["optimum.*"]),
+    # The long prompt of run_generation.py's --book_source (written for this project, Apache-2.0 like the code).
+    package_data={"optimum.habana.example_support": ["data/*.txt"]},
     python_requires=">=3.10",
     install_requires=INSTALL_REQUIRES,
     extras_require=EXTRAS,

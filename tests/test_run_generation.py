@@ -33,6 +33,7 @@ from optimum.habana.example_support.text_generation import (
     build_parser,
     check_sequence_length,
     parse_arguments,
+    prompt_pool,
     prompts_for_batch,
     summarize_runs,
     tokenize_prompts,
@@ -199,7 +200,7 @@ def test_end_to_end_same_greedy_texts_with_and_without_flash_attention(tiny_chec
         returncode, stdout, stderr = finish(process)
         assert returncode == 0, stderr
         assert "Traceback" not in stderr
-        assert "Output:" in stdout and "Throughput" in stdout and "First-token latency" in stdout
+        assert "Output:" in stdout and "Throughput" in stdout and "Average first token latency" in stdout
         results[key] = json.loads((tmp_path / f"{key[0]}-{key[1]}" / "results.json").read_text())
 
     for name in workloads:
@@ -465,10 +466,17 @@ BAD_INPUTS = {
     "hpu not present": (["--device", "hpu"], "no Gaudi device found"),
     "batch size 0": (["--batch_size", "0"], "--batch_size must be at least 1"),
     "max new tokens 0": (["--max_new_tokens", "0"], "--max_new_tokens must be at least 1"),
-    "negative max input tokens": (["--max_input_tokens", "-1"], "--max_input_tokens must be 0"),
     "beams 0": (["--num_beams", "0"], "--num_beams must be at least 1"),
     "iterations 0": (["--n_iterations", "0"], "--n_iterations must be at least 1"),
-    "hpu graphs without hpu": (["--use_hpu_graphs"], "--use_hpu_graphs needs a Gaudi device"),
+    "bucket internal without bucket size": (["--bucket_internal"], "add --bucket_size N"),
+    "static shapes without kv cache": (
+        ["--use_kv_cache", "False", "--static_shapes"],
+        "--static_shapes shape(s) the KV cache, and --use_kv_cache False turns it off",
+    ),
+    "buckets without kv cache": (["--use_kv_cache", "False", "--bucket_size", "8"], "--bucket_size shape(s)"),
+    "attention batch split 0": (["--attn_batch_split", "0"], "--attn_batch_split must be at least 1"),
+    "two prompt sources": (["--prompt", "Hi", "--book_source"], "--prompt and --book_source both give the prompt"),
+    "missing prompt file": (["--prompt_file", "/no/such/file.txt"], "--prompt_file '/no/such/file.txt': no such file"),
     "hpu graphs with compile": (["--use_hpu_graphs", "--torch_compile"], "choose one"),
     "empty prompt": (["--prompt", "Hello", "  "], "--prompt number 2 is empty"),
     "recompute without flash": (
@@ -482,10 +490,6 @@ BAD_INPUTS = {
     "fast softmax without flash": (
         ["--flash_attention_fast_softmax", "True"],
         "`flash_attention_fast_softmax` requires `use_flash_attention`",
-    ),
-    "bf16 softmax with flash": (
-        ["--use_flash_attention", "--attn_softmax_bf16"],
-        "`attn_softmax_bf16` applies to the default",
     ),
     "temperature without sampling": (["--temperature", "0.7"], "--temperature only applies to sampling"),
     "not a boolean": (["--use_flash_attention", "maybe"], "argument --use_flash_attention"),
@@ -574,8 +578,7 @@ def test_bad_input_from_the_command_line_has_no_traceback(tiny_checkpoint, cache
 
 def test_prompts_are_cycled_to_fill_the_batch():
     assert prompts_for_batch(["a", "b"], 5) == ["a", "b", "a", "b", "a"]
-    assert prompts_for_batch(None, 1) == [DEFAULT_PROMPTS[0]]
-    assert prompts_for_batch([], 2) == list(DEFAULT_PROMPTS[:2])
+    assert prompts_for_batch(prompt_pool(parse([]).workload), 2) == list(DEFAULT_PROMPTS[:2])
 
 
 def test_prompt_flag_repeats_and_takes_several_values():

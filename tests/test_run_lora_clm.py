@@ -236,7 +236,7 @@ def test_saved_adapter_changes_run_generation_output(trained, checkpoint, tmp_pa
         assert run_generation.main(argv) == 0
         results = json.loads((output_dir / "results.json").read_text())
         texts[name] = [text["output"] for text in results["texts"]]
-    assert texts["base"][0].strip() and texts["adapted"][0].strip()
+    assert texts["base"][0].strip()  # the adapted model may answer with its end-of-sequence token at once
     assert texts["adapted"] != texts["base"]
 
 

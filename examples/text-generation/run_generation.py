@@ -5,18 +5,24 @@
     python examples/text-generation/run_generation.py --use_flash_attention  # the same through the fused kernel
     python examples/text-generation/run_generation.py --chat --prompt "What is the capital of France?"
 
-It prints the generated texts, then throughput, first-token latency, memory, load and compile times;
---output_dir also writes them to results.json. `--help` lists every argument; docs/run_generation.md explains them.
+It prints the generated texts, then throughput, latencies, memory, load and compile times; --output_dir also
+writes them to results.json (with Optimum-Habana's top-level keys). --explain says what a command line does on
+this device without running it. `--help` lists every argument; docs/run_generation.md explains them.
 The reusable pieces live in `optimum.habana.example_support.text_generation`.
 """
 
 import logging
 import sys
 import time
+import warnings
 from collections.abc import Sequence
 
+import torch
+
 from optimum.habana import hpu
+from optimum.habana.example_support.explain import explain
 from optimum.habana.example_support.text_generation import (
+    KVCacheSupply,
     apply_peft_adapter,
     benchmark,
     build_generation_config,
@@ -24,11 +30,15 @@ from optimum.habana.example_support.text_generation import (
     check_sequence_length,
     decode_new_tokens,
     environment_versions,
+    flag_notes,
     format_header,
     format_stats,
     format_texts,
     generation_config_summary,
+    kv_cache_layout,
+    optimum_habana_results,
     parse_arguments,
+    prompt_pool,
     prompts_for_batch,
     render_prompts,
     resolve_execution,
@@ -37,7 +47,7 @@ from optimum.habana.example_support.text_generation import (
     usage_error,
     write_results,
 )
-from optimum.habana.utils.devices import memory_stats, model_size_bytes, reset_peak_memory
+from optimum.habana.utils.devices import memory_stats, model_size_bytes, reset_peak_memory, total_memory
 from optimum.habana.utils.model_loading import ModelResolutionError
 from optimum.habana.utils.pretrained import load_model_and_tokenizer
 
@@ -47,10 +57,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     arguments = parse_arguments(parser, argv)
     workload, execution = arguments.workload, arguments.execution
     show_library_progress()
+    if arguments.output.explain:
+        try:
+            print(explain(arguments))
+        except (ModelResolutionError, ValueError) as error:
+            usage_error(parser, str(error))
+        return 0
 
     # Everything that can still be a bad input (device, model, adapter, prompts) is checked before generating.
     try:
         device, dtype = resolve_execution(arguments)
+        pool = prompt_pool(workload)
+        for note in flag_notes(arguments, device, dtype):
+            print(f"Note: {note}", file=sys.stderr)
         loaded = load_model_and_tokenizer(arguments.model.model_name_or_path, dtype=dtype, device=device)
         model, tokenizer = loaded.model, loaded.tokenizer
         load_seconds = loaded.load_seconds
@@ -58,7 +77,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             start = time.perf_counter()
             model = apply_peft_adapter(model, arguments.model.peft_model)
             load_seconds += time.perf_counter() - start
-        prompts = prompts_for_batch(workload.prompt, workload.batch_size)
+        prompts = prompts_for_batch(pool, workload.batch_size)
         texts = render_prompts(tokenizer, prompts, workload.chat)
         inputs, prompt_lengths = tokenize_prompts(tokenizer, texts, workload.max_input_tokens, workload.chat)
         input_length = inputs["input_ids"].shape[1]
@@ -72,13 +91,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         usage_error(parser, str(error))
 
     print(format_header(loaded.resolved.description, device, dtype, arguments), flush=True)
-    if workload.max_input_tokens and max(prompt_lengths) > workload.max_input_tokens:
+    if workload.max_input_tokens > 0 and max(prompt_lengths) > workload.max_input_tokens:
         print(f"Note: prompts longer than {workload.max_input_tokens} tokens keep their last tokens.", file=sys.stderr)
     if (execution.torch_compile or execution.use_hpu_graphs) and execution.warmup == 0:
         print("Note: with --warmup 0 the compilation is part of the first measured run.", file=sys.stderr)
-    if execution.use_hpu_graphs:
-        model = hpu.wrap_in_hpu_graph(model)
+    if execution.use_hpu_graphs and device.type == "hpu":
+        model = hpu.wrap_in_hpu_graph(model, prompt_in_graph=not execution.limit_hpu_graphs)
+    if execution.sdp_on_bf16:
+        torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(True)
+    if arguments.attention.attn_softmax_bf16 and arguments.attention.use_flash_attention:
+        warnings.filterwarnings("ignore", message="attn_softmax_bf16 with use_flash_attention")  # noted above
     generation_config = build_generation_config(model.generation_config, arguments, tokenizer.pad_token_id, device)
+    cache_supply = KVCacheSupply(
+        kv_cache_layout(arguments, device), model.config, max_cache_len=input_length + workload.max_new_tokens
+    )
+    if execution.torch_compile:
+        cache_supply.allow_one_graph_per_bucket()
     inputs = inputs.to(device)
 
     reset_peak_memory(device)  # the peak below is that of generation, not of loading
@@ -90,6 +118,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         seed=workload.seed,
         warmup=execution.warmup,
         n_iterations=execution.n_iterations,
+        cache_supply=cache_supply,
     )
     memory = memory_stats(device)
 
@@ -100,6 +129,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "input_tokens": input_length,
         "memory_allocated_bytes": memory["allocated"],
         "max_memory_allocated_bytes": memory["max_allocated"],
+        "total_memory_bytes": total_memory(device),
+        "kv_cache": kv_cache_layout(arguments, device).describe(cache_supply.max_cache_len),
+        "kv_cache_allocations": cache_supply.allocations,
         "model_size_bytes": model_size_bytes(model),
         "num_parameters": model.num_parameters(),
         "model_load_seconds": load_seconds,
@@ -112,7 +144,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     if arguments.output.output_dir:
         real_lengths = inputs["attention_mask"].sum(dim=1).tolist()
+        full_texts = tokenizer.batch_decode(result.output.cpu(), skip_special_tokens=True)
         results = {
+            **optimum_habana_results(stats, prompts, full_texts),
             "arguments": arguments.as_dict(),
             "versions": environment_versions(),
             "device": device.type,

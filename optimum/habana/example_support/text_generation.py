@@ -3,13 +3,15 @@
 The script itself reads top to bottom as the example users follow; what tests need to reach lives here.
 """
 
+import argparse
 import dataclasses
 import json
+import math
 import platform
 import statistics
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn
@@ -25,8 +27,10 @@ from transformers import (
     PreTrainedTokenizerBase,
     set_seed,
 )
+from transformers.cache_utils import Cache, StaticCache
 from transformers.tokenization_utils_base import BatchEncoding
 
+from ..transformers.cache import BucketedStaticCache
 from ..transformers.generation import GaudiGenerationConfig
 from ..utils.devices import DEVICE_CHOICES, default_dtype, resolve_device, synchronize
 from ..version import __version__
@@ -40,6 +44,8 @@ DEFAULT_PROMPTS = (
     "The three largest planets of the solar system are",
     "Flash attention computes exact attention without ever building the full score matrix, which means that",
 )
+# Long English prose written for this project (Apache-2.0), about 11,000 tokens: --book_source.
+LONG_PROMPT_PATH = Path(__file__).parent / "data" / "long_prompt.txt"
 RESULTS_FILENAME = "results.json"
 SAMPLING_ARGUMENTS = ("temperature", "top_p", "top_k")
 GB = 1024**3
@@ -75,12 +81,26 @@ class WorkloadArguments:
             "fill --batch_size. Default: a few built-in prompts of different lengths.",
         },
     )
+    prompt_file: str | None = field(
+        default=None,
+        metadata={
+            "help": "Read the prompt from this UTF-8 text file (the whole file is one prompt), e.g. a long "
+            "document with --max_input_tokens."
+        },
+    )
+    book_source: bool = field(
+        default=False,
+        metadata={
+            "help": "Use the long text shipped with the examples (about 11,000 tokens of English prose) as the prompt, "
+            "for long-context runs with --max_input_tokens. Optimum-Habana's flag of the same name downloads a book."
+        },
+    )
     batch_size: int = field(default=1, metadata={"help": "Number of sequences generated together."})
     max_input_tokens: int = field(
         default=0,
         metadata={
             "help": "Pad (on the left) or truncate (keeping the end) every prompt to this many tokens, so that shapes "
-            "are the same from one run to the next. 0: prompts as they are, padded to the longest."
+            "are the same from one run to the next. 0 or negative: prompts as they are, padded to the longest."
         },
     )
     max_new_tokens: int = field(default=100, metadata={"help": "Number of tokens to generate (at most) per sequence."})
@@ -101,10 +121,24 @@ class WorkloadArguments:
         metadata={"help": "Sample among the k most likely tokens (with --do_sample). Default: the model's."},
     )
     ignore_eos: bool = field(
+        default=True,
+        metadata={
+            "help": "Do not stop at the end-of-sequence token: every run generates --max_new_tokens tokens, a fixed "
+            "amount of work (on by default, as in Optimum-Habana). --no-ignore_eos stops each sequence at its end."
+        },
+    )
+    use_kv_cache: bool = field(
+        default=True,
+        metadata={
+            "help": "Keep the keys and values of past tokens (the KV cache). --use_kv_cache False recomputes the whole "
+            "sequence at every step. On by default here (Optimum-Habana's default is off; its commands pass it)."
+        },
+    )
+    trim_logits: bool = field(
         default=False,
         metadata={
-            "help": "Always generate --max_new_tokens tokens (the end-of-sequence token is suppressed), for "
-            "benchmarks with a fixed amount of work."
+            "help": "Compute the prompt's logits at its last position only. Always the case here: transformers 5's "
+            "generate() asks for one position (logits_to_keep=1); the flag prints a note."
         },
     )
     seed: int = field(default=27, metadata={"help": "Random seed, set before every run: sampled texts repeat."})
@@ -145,6 +179,46 @@ class ExecutionArguments:
             "recording happens during the warm-up, reported as the compile time."
         },
     )
+    reuse_cache: bool = field(
+        default=False,
+        metadata={
+            "help": "Allocate the static KV cache once and reuse it in every run (warm-up and measured): its memory is "
+            "counted once and no run allocates one (implies --static_shapes)."
+        },
+    )
+    bucket_size: int = field(
+        default=-1,
+        metadata={
+            "help": "Grow the static KV cache's shapes in steps of this many tokens instead of prompt + "
+            "--max_new_tokens, so decode steps attend over the filled buckets only (implies --static_shapes; one "
+            "compiled graph per bucket with --torch_compile). 0 or negative: off."
+        },
+    )
+    bucket_internal: bool = field(
+        default=False,
+        metadata={
+            "help": "With --bucket_size: allocate the whole cache at once and let decode attention read only its "
+            "filled buckets (without it, the cache itself grows one bucket at a time)."
+        },
+    )
+    limit_hpu_graphs: bool = field(
+        default=False,
+        metadata={"help": "With --use_hpu_graphs: run the prompt outside the HPU graph, record decode steps only."},
+    )
+    sdp_on_bf16: bool = field(
+        default=False,
+        metadata={
+            "help": "Let PyTorch's math SDPA backend reduce in bf16/fp16 (torch.backends.cuda."
+            "allow_fp16_bf16_reduction_math_sdp)."
+        },
+    )
+    attn_batch_split: int = field(
+        default=1,
+        metadata={
+            "help": "Optimum-Habana: split the prompt's batch in this many parts so Gaudi overlaps attention "
+            "and MLP. Accepted; prints what it does here."
+        },
+    )
     warmup: int = field(default=1, metadata={"help": "Untimed runs before the measured ones."})
     n_iterations: int = field(default=3, metadata={"help": "Measured runs; the stats are their medians."})
 
@@ -153,6 +227,13 @@ class ExecutionArguments:
 class OutputArguments:
     _argument_group_name = "output"
 
+    explain: bool = field(
+        default=False,
+        metadata={
+            "help": "Print what this command line does on this device (the path of every attention call, the "
+            "kernel's arguments, the cache, each flag's effect here), then exit. Reads the model's config only."
+        },
+    )
     output_dir: str | None = field(
         default=None,
         metadata={
@@ -186,6 +267,8 @@ def build_parser() -> HfArgumentParser:
         description="Generate text with a causal LM and measure throughput, first-token latency and memory, with "
         "the fused attention kernel (--use_flash_attention) or the default attention.",
     )
+    # Optimum-Habana's spelling of the complement HfArgumentParser adds as --no_ignore_eos and --no-ignore-eos.
+    parser.add_argument("--no-ignore_eos", action="store_false", dest="ignore_eos", help=argparse.SUPPRESS)
     return parser
 
 
@@ -218,16 +301,16 @@ def validate_arguments(arguments: ScriptArguments) -> None:
         "max_new_tokens": workload.max_new_tokens,
         "num_beams": workload.num_beams,
         "n_iterations": execution.n_iterations,
+        "attn_batch_split": execution.attn_batch_split,
     }
     for name, value in at_least_one.items():
         if value < 1:
             raise ValueError(f"--{name} must be at least 1, got {value}.")
-    if workload.max_input_tokens < 0:
-        raise ValueError(
-            f"--max_input_tokens must be 0 (prompts as they are) or a number of tokens, got {workload.max_input_tokens}."
-        )
     if execution.warmup < 0:
         raise ValueError(f"--warmup must be 0 or more, got {execution.warmup}.")
+    sources = [name for name in ("prompt", "prompt_file", "book_source") if getattr(workload, name)]
+    if len(sources) > 1:
+        raise ValueError(f"--{sources[0]} and --{sources[1]} both give the prompt: choose one.")
     for index, prompt in enumerate(workload.prompt or [], start=1):
         if not prompt.strip():
             raise ValueError(f"--prompt number {index} is empty: give some text for the model to continue.")
@@ -242,13 +325,67 @@ def validate_arguments(arguments: ScriptArguments) -> None:
         raise ValueError(f"--top_k must be 0 (off) or more, got {workload.top_k}.")
     if execution.use_hpu_graphs and execution.torch_compile:
         raise ValueError("--use_hpu_graphs and --torch_compile are two ways to capture the model: choose one.")
+    if execution.bucket_internal and execution.bucket_size <= 0:
+        raise ValueError("--bucket_internal slices a bucketed cache: add --bucket_size N (e.g. 128).")
+    if not workload.use_kv_cache:
+        needs_cache = ("static_shapes", "torch_compile", "reuse_cache")
+        given = [f"--{name}" for name in needs_cache if getattr(execution, name)]
+        if execution.bucket_size > 0:
+            given.append("--bucket_size")
+        if given:
+            raise ValueError(
+                f"{', '.join(given)} shape(s) the KV cache, and --use_kv_cache False turns it off: drop one of them."
+            )
+
+
+def flag_notes(arguments: ScriptArguments, device: torch.device, dtype: torch.dtype) -> list[str]:
+    """One line for each given flag that does something else here than its name says, or nothing."""
+    workload, execution, attention = arguments.workload, arguments.execution, arguments.attention
+    notes = []
+    if workload.trim_logits:
+        notes.append(
+            "--trim_logits: always the case here: transformers 5's generate() computes the prompt's logits at its last "
+            "position only (logits_to_keep=1)."
+        )
+    if attention.attn_softmax_bf16 and attention.use_flash_attention:
+        notes.append(
+            "--attn_softmax_bf16 with --use_flash_attention: the fused kernel computes its own softmax, so only calls "
+            "that take the default path (soft-capped logits, attention weights asked for) use a bf16 softmax."
+        )
+    elif attention.attn_softmax_bf16 and dtype == torch.float32:
+        notes.append(
+            "--attn_softmax_bf16: the model runs in float32, so the softmax runs in float32 as without the flag "
+            "(add --bf16 for a bf16 model and softmax)."
+        )
+    if execution.use_hpu_graphs and device.type != "hpu":
+        notes.append(
+            f"--use_hpu_graphs: HPU graphs exist on Gaudi only; on {device.type} the model runs without them "
+            "(--torch_compile captures the decode step here)."
+        )
+    if execution.limit_hpu_graphs and not (execution.use_hpu_graphs and device.type == "hpu"):
+        notes.append("--limit_hpu_graphs: no effect without HPU graphs (--use_hpu_graphs on a Gaudi device).")
+    if execution.sdp_on_bf16:
+        notes.append(
+            "--sdp_on_bf16: PyTorch's math SDPA backend may now reduce in bf16/fp16; this library's attention never "
+            "runs that backend (fused kernels, or its own matmul-softmax), so its results do not change."
+        )
+    if execution.attn_batch_split > 1:
+        notes.append(
+            f"--attn_batch_split {execution.attn_batch_split}: no effect here: Optimum-Habana splits the prompt's batch "
+            "so that Gaudi overlaps attention and MLP; transformers' layers run the batch whole, with the same results."
+        )
+    if workload.prompt and len(workload.prompt) > workload.batch_size:
+        unused = len(workload.prompt) - workload.batch_size
+        notes.append(
+            f"--prompt: {len(workload.prompt)} prompts for --batch_size {workload.batch_size}: the last {unused} are not "
+            f"used (raise --batch_size to {len(workload.prompt)} to run them all)."
+        )
+    return notes
 
 
 def resolve_execution(arguments: ScriptArguments) -> tuple[torch.device, torch.dtype]:
     """The device (present, or a ValueError) and the model dtype."""
     device = resolve_device(arguments.execution.device)
-    if arguments.execution.use_hpu_graphs and device.type != "hpu":
-        raise ValueError(f"--use_hpu_graphs needs a Gaudi device (HPU); this run is on {device.type}.")
     bf16 = arguments.workload.bf16
     if bf16 is None:
         dtype = default_dtype(device)
@@ -257,9 +394,32 @@ def resolve_execution(arguments: ScriptArguments) -> tuple[torch.device, torch.d
     return device, dtype
 
 
-def prompts_for_batch(prompts: Sequence[str] | None, batch_size: int) -> list[str]:
-    """The given prompts (or the built-in ones), cycled to exactly `batch_size` rows."""
-    pool = list(prompts) if prompts else list(DEFAULT_PROMPTS)
+def prompt_pool(workload: WorkloadArguments) -> list[str]:
+    """The prompts to cycle through: --prompt, --prompt_file, --book_source, or the built-in ones."""
+    if workload.prompt:
+        return list(workload.prompt)
+    if workload.book_source:
+        return [LONG_PROMPT_PATH.read_text(encoding="utf-8")]
+    if workload.prompt_file:
+        path = Path(workload.prompt_file).expanduser()
+        try:
+            text = path.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            raise ValueError(f"--prompt_file {workload.prompt_file!r}: no such file.") from None
+        except UnicodeDecodeError as error:
+            raise ValueError(
+                f"--prompt_file {workload.prompt_file!r} is not UTF-8 text (byte {error.start}): save it as UTF-8."
+            ) from None
+        except OSError as error:
+            raise ValueError(f"--prompt_file {workload.prompt_file!r}: {error.strerror}.") from None
+        if not text.strip():
+            raise ValueError(f"--prompt_file {workload.prompt_file!r} is empty: give some text for the model.")
+        return [text]
+    return list(DEFAULT_PROMPTS)
+
+
+def prompts_for_batch(pool: Sequence[str], batch_size: int) -> list[str]:
+    """The prompts cycled to exactly `batch_size` rows."""
     return [pool[index % len(pool)] for index in range(batch_size)]
 
 
@@ -342,14 +502,92 @@ def build_generation_config(
             values[name] = None  # the model's sampling defaults would only trigger warnings in greedy/beam search
         elif getattr(workload, name) is not None:
             values[name] = getattr(workload, name)
-    if workload.ignore_eos:
+    if workload.ignore_eos and workload.num_beams == 1:
+        # No end-of-sequence stopping criterion (None would fall back to the model's): the tokens are those of a
+        # run that stops, continued.
+        values["eos_token_id"] = []
+    elif workload.ignore_eos:
+        # Beam search needs an end-of-sequence id (transformers 5.23 fills finished beams with it): suppress it.
         values["min_new_tokens"] = workload.max_new_tokens
-    if execution.static_shapes or execution.torch_compile or execution.use_hpu_graphs:
+    layout = kv_cache_layout(arguments, device)
+    values["use_cache"] = layout.kind != "none"
+    if layout.kind == "static" and not layout.reused:
         values["cache_implementation"] = "static"  # compiled code and recorded graphs are only reused for one shape
     config = GaudiGenerationConfig.from_dict(values)
     if execution.torch_compile:
         config.compile_config = compile_config_for(device)
     return config
+
+
+@dataclass(frozen=True)
+class CacheLayout:
+    """The KV cache a run uses: none, dynamic, static, or bucketed static; reused across runs or not."""
+
+    kind: str
+    reused: bool = False
+    bucket_size: int | None = None
+    preallocated: bool = False
+
+    def describe(self, max_cache_len: int) -> str:
+        if self.kind == "none":
+            return "none (--use_kv_cache False): every step recomputes the whole sequence"
+        if self.kind == "dynamic":
+            return "dynamic: grows by one token per step (transformers' DynamicCache)"
+        reuse = "allocated once and reused by every run" if self.reused else "allocated by every run"
+        if self.kind == "static":
+            return f"static: {max_cache_len} slots (prompt + --max_new_tokens), {reuse}"
+        storage = "allocated in full, sliced" if self.preallocated else "grown one bucket at a time"
+        return (
+            f"bucketed static: {max_cache_len} slots in buckets of {self.bucket_size} ({storage}); decode attention "
+            f"reads the filled buckets only; {reuse}"
+        )
+
+
+def kv_cache_layout(arguments: ScriptArguments, device: torch.device) -> CacheLayout:
+    workload, execution = arguments.workload, arguments.execution
+    if not workload.use_kv_cache:
+        return CacheLayout("none")
+    if execution.bucket_size > 0:
+        return CacheLayout(
+            "bucketed", execution.reuse_cache, execution.bucket_size, preallocated=execution.bucket_internal
+        )
+    graphs = execution.use_hpu_graphs and device.type == "hpu"
+    if execution.static_shapes or execution.torch_compile or execution.reuse_cache or graphs:
+        return CacheLayout("static", execution.reuse_cache)
+    return CacheLayout("dynamic")
+
+
+class KVCacheSupply:
+    """The cache object each run hands to generate(), or None where generate() builds its own.
+
+    `allocations` counts the caches built, so a test sees that --reuse_cache builds one for all runs.
+    """
+
+    def __init__(self, layout: CacheLayout, model_config: transformers.PreTrainedConfig, max_cache_len: int) -> None:
+        self.layout, self.model_config, self.max_cache_len = layout, model_config, max_cache_len
+        self.allocations = 0
+        self._cache: Cache | None = None
+
+    def __call__(self) -> Cache | None:
+        if self.layout.kind not in ("static", "bucketed") or (self.layout.kind == "static" and not self.layout.reused):
+            return None
+        if self._cache is not None and self.layout.reused:
+            self._cache.reset()
+            return self._cache
+        self.allocations += 1
+        if self.layout.kind == "bucketed":
+            self._cache = BucketedStaticCache(
+                self.model_config, self.max_cache_len, self.layout.bucket_size, preallocate=self.layout.preallocated
+            )
+        else:
+            self._cache = StaticCache(config=self.model_config, max_cache_len=self.max_cache_len)
+        return self._cache
+
+    def allow_one_graph_per_bucket(self) -> None:
+        """torch.compile recompiles once per bucket: raise dynamo's limit (8 by default) to the number of buckets."""
+        if self.layout.kind == "bucketed":
+            buckets = math.ceil(self.max_cache_len / self.layout.bucket_size) + 1
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, buckets)
 
 
 def compile_config_for(device: torch.device) -> CompileConfig:
@@ -400,14 +638,19 @@ def timed_generate(
     generation_config: GaudiGenerationConfig,
     device: torch.device,
     seed: int,
+    cache: Cache | None = None,
 ) -> tuple[torch.Tensor, RunMeasurement]:
     """One generate() call, timed from start to end and to its first token; the seed is set first."""
     set_seed(seed)
     timer = FirstTokenTimer(device)
+    cache_argument = {} if cache is None else {"past_key_values": cache}
     synchronize(device)
     start = time.perf_counter()
     output = model.generate(
-        **inputs, generation_config=generation_config, logits_processor=LogitsProcessorList([timer])
+        **inputs,
+        **cache_argument,
+        generation_config=generation_config,
+        logits_processor=LogitsProcessorList([timer]),
     )
     synchronize(device)
     end = time.perf_counter()
@@ -425,6 +668,7 @@ def benchmark(
     seed: int,
     warmup: int,
     n_iterations: int,
+    cache_supply: Callable[[], Cache | None] = lambda: None,
 ) -> BenchmarkResult:
     """`warmup` untimed runs (compilation happens there), then `n_iterations` measured ones.
 
@@ -434,13 +678,13 @@ def benchmark(
     output = None
     warmup_start = time.perf_counter()
     for _ in range(warmup):
-        output, _ = timed_generate(model, inputs, generation_config, device, seed)
+        output, _ = timed_generate(model, inputs, generation_config, device, seed, cache_supply())
         progress.update()
     warmup_seconds = time.perf_counter() - warmup_start
     progress.set_description("generate")
     runs = []
     for _ in range(n_iterations):
-        output, run = timed_generate(model, inputs, generation_config, device, seed)
+        output, run = timed_generate(model, inputs, generation_config, device, seed, cache_supply())
         runs.append(run)
         progress.update()
     progress.close()
@@ -448,15 +692,35 @@ def benchmark(
 
 
 def summarize_runs(runs: Sequence[RunMeasurement], batch_size: int) -> dict[str, Any]:
-    """Medians over the measured runs; throughput is batch x new tokens / generation time, per run."""
+    """Medians over the measured runs (throughput is batch x new tokens / generation time, per run), and the
+    averages Optimum-Habana reports: first token, each later token, and end to end."""
     throughputs = [batch_size * run.new_tokens / run.seconds for run in runs]
+    rest_token_latencies = [
+        (run.seconds - run.first_token_seconds) / (run.new_tokens - 1) for run in runs if run.new_tokens > 1
+    ]
     return {
         "throughput_tokens_per_second": statistics.median(throughputs),
         "first_token_latency_seconds": statistics.median(run.first_token_seconds for run in runs),
         "generation_seconds": statistics.median(run.seconds for run in runs),
+        "avg_first_token_latency_seconds": statistics.fmean(run.first_token_seconds for run in runs),
+        "avg_rest_token_latency_seconds": statistics.fmean(rest_token_latencies) if rest_token_latencies else None,
+        "avg_e2e_latency_seconds": statistics.fmean(run.seconds for run in runs),
         "batch_size": batch_size,
         "new_tokens": int(statistics.median(run.new_tokens for run in runs)),
         "runs": [dataclasses.asdict(run) for run in runs],
+    }
+
+
+def optimum_habana_results(stats: dict[str, Any], prompts: Sequence[str], texts: Sequence[str]) -> dict[str, Any]:
+    """results.json's top-level keys as Optimum-Habana writes them, same meaning and units: throughput in tokens
+    per second, latencies in seconds, `input` the prompts and `output` one list per prompt of its full text."""
+    return {
+        "throughput": stats["throughput_tokens_per_second"],
+        "avg_first_token_latency": stats["avg_first_token_latency_seconds"],
+        "avg_rest_token_latency": stats["avg_rest_token_latency_seconds"],
+        "avg_e2e_latency": stats["avg_e2e_latency_seconds"],
+        "input": list(prompts),
+        "output": [[text] for text in texts],
     }
 
 
@@ -514,21 +778,28 @@ def format_texts(prompts: Sequence[str], texts: Sequence[str]) -> str:
 
 
 def format_stats(stats: dict[str, Any], device: torch.device) -> str:
-    """The stats block; on CPU memory is the process's resident memory, on HPU/CUDA the device allocator's."""
+    """The stats block, in Optimum-Habana's wording; on CPU memory is the process's resident memory."""
     rows = [
+        ("Input tokens", f"{stats['input_tokens']}"),
         (
             f"Throughput (median of {len(stats['runs'])} runs)",
             f"{stats['throughput_tokens_per_second']:.2f} tokens/second "
             f"({stats['batch_size']} x {stats['new_tokens']} new tokens in {stats['generation_seconds']:.3f} s)",
         ),
-        ("First-token latency", f"{stats['first_token_latency_seconds'] * 1000:.1f} ms"),
+        ("Average first token latency", f"{stats['avg_first_token_latency_seconds'] * 1000:.1f} ms"),
     ]
+    if stats["avg_rest_token_latency_seconds"] is not None:
+        rows.append(("Average rest token latency", f"{stats['avg_rest_token_latency_seconds'] * 1000:.1f} ms"))
+    rows.append(("Average end to end latency", f"{stats['avg_e2e_latency_seconds'] * 1000:.1f} ms"))
     allocated = format_bytes(stats["memory_allocated_bytes"])
     peak = format_bytes(stats["max_memory_allocated_bytes"])
     if device.type == "cpu":
         allocated += " (process resident memory)"
         peak += " (peak resident memory since the model was loaded)"
     rows += [("Memory allocated", allocated), ("Max memory allocated", peak)]
+    if stats.get("total_memory_bytes") is not None:
+        total = format_bytes(stats["total_memory_bytes"])
+        rows.append(("Total memory available", total + (" (system memory)" if device.type == "cpu" else "")))
     parameters = f"{stats['num_parameters'] / 1e6:.1f}M parameters"
     rows.append(("Model size", f"{format_bytes(stats['model_size_bytes'])} ({parameters})"))
     load = f"{stats['model_load_seconds']:.2f} s"
@@ -536,7 +807,7 @@ def format_stats(stats: dict[str, Any], device: torch.device) -> str:
         load += " (includes the one-time GGUF conversion)"
     rows.append(("Model load time", load))
     if stats["compile_seconds"] is not None:
-        rows.append(("Compile time (warm-up)", f"{stats['compile_seconds']:.2f} s"))
+        rows.append(("Graph compilation duration", f"{stats['compile_seconds']:.2f} seconds (the warm-up runs)"))
     width = max(len(label) for label, _ in rows)
     rule = "-" * 100
     return "\n".join(["Stats:", rule, *(f"{label:<{width}} = {value}" for label, value in rows), rule])

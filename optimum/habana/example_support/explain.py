@@ -1,0 +1,274 @@
+"""`run_generation.py --explain`: what a command line does on this device, said before anything runs.
+
+It reads the model's config and tokenizer (a .gguf's metadata, never its tensors), builds the model on the meta
+device (no memory, no weights) to read each attention layer's scale, window and soft-capping, tokenizes the prompts
+to know the padding, and prints for the prompt's forward and for the decode steps which path every attention call
+takes, with the kernel's arguments, the KV cache layout, and the effect of every flag here. The decisions mirror
+`optimum.habana.transformers.attention` and transformers' mask skipping; tests run the same command lines and
+compare this account with the kernel calls that happen.
+"""
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoTokenizer
+
+from ..transformers.attention_flags import AttentionFlags
+from ..transformers.models import GAUDI_CAUSAL_LM_CLASSES, supported_model_types
+from ..utils.model_loading import ModelResolutionError, default_gguf_path, resolve_model
+from .text_generation import (
+    ExecutionArguments,
+    ScriptArguments,
+    WorkloadArguments,
+    check_sequence_length,
+    flag_notes,
+    kv_cache_layout,
+    prompt_pool,
+    prompts_for_batch,
+    render_prompts,
+    resolve_execution,
+    tokenize_prompts,
+)
+
+
+@dataclass(frozen=True)
+class LayerGroup:
+    """Attention layers that take the same decisions: same window, soft-capping and scale."""
+
+    indices: tuple[int, ...]
+    sliding_window: int | None
+    softcap: float | None
+    scaling: float
+
+
+@dataclass(frozen=True)
+class Phase:
+    name: str  # "prefill" or "decode"
+    q_len: int
+    kv_lengths: tuple[int, int]  # first and last key length of the phase
+    padded: bool
+
+
+def explain(arguments: ScriptArguments) -> str:
+    """The account printed by --explain; a ValueError names a bad input, as a real run would."""
+    device, dtype = resolve_execution(arguments)
+    workload = arguments.workload
+    config, tokenizer, description = read_config_and_tokenizer(arguments.model.model_name_or_path)
+    model_class = GAUDI_CAUSAL_LM_CLASSES.get(config.model_type)
+    if model_class is None:
+        raise ModelResolutionError(
+            f"{description} is a {config.model_type!r} model, which has no Gaudi class; supported model types: "
+            f"{', '.join(supported_model_types())}."
+        )
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    prompts = prompts_for_batch(prompt_pool(workload), workload.batch_size)
+    inputs, _ = tokenize_prompts(
+        tokenizer, render_prompts(tokenizer, prompts, workload.chat), workload.max_input_tokens, workload.chat
+    )
+    input_length = inputs["input_ids"].shape[1]
+    max_positions = getattr(config, "max_position_embeddings", None)
+    check_sequence_length(input_length, workload.max_new_tokens, max_positions, fixed=workload.max_input_tokens > 0)
+    padded = bool((inputs["attention_mask"] == 0).any())
+    layout = kv_cache_layout(arguments, device)
+    max_cache_len = input_length + workload.max_new_tokens
+    flags = arguments.attention.attention_flags()
+    groups = attention_layer_groups(model_class, config)
+    rows = max(workload.num_beams, 1) * workload.batch_size
+
+    lines = [
+        f"Explain (nothing runs; config and tokenizer only): {description}",
+        f"Model: {model_class.__name__}, {sum(len(group.indices) for group in groups)} attention layers, "
+        f"max positions {max_positions}",
+        f"Device: {device.type}, dtype: {str(dtype).removeprefix('torch.')}",
+        f"Prompt: {rows} row(s) of {input_length} tokens, "
+        + ("padded on the left" if padded else "no padding")
+        + f"; up to {workload.max_new_tokens} new tokens",
+        f"KV cache: {layout.describe(max_cache_len)}",
+        "",
+        "Attention calls:",
+    ]
+    for phase in phases(layout.kind, input_length, workload.max_new_tokens, padded, max_cache_len, layout):
+        lines.append(
+            f"  {phase.name} (q={phase.q_len}, kv={format_range(phase.kv_lengths)}"
+            f"{', padded rows' if phase.padded else ''}):"
+        )
+        for group in groups:
+            lines.append(f"    layers {format_indices(group.indices)}: {call_account(flags, group, phase, device)}")
+    lines += ["", "Flags:"]
+    lines += [f"  {line}" for line in flag_accounts(arguments, device, layout.kind)]
+    notes = flag_notes(arguments, device, dtype)
+    if notes:
+        lines += ["", "Notes (printed by a real run too):"]
+        lines += [f"  {note}" for note in notes]
+    return "\n".join(lines)
+
+
+def read_config_and_tokenizer(model_name_or_path: str | None):
+    """Config, tokenizer and a description, without loading or converting weights (a .gguf: its metadata only)."""
+    gguf = default_gguf_path() if model_name_or_path is None else Path(model_name_or_path).expanduser()
+    if gguf.suffix.lower() == ".gguf" and gguf.is_file():
+        config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        return config, tokenizer, f"{gguf.name} (GGUF metadata)"
+    resolved = resolve_model(model_name_or_path)
+    return (
+        AutoConfig.from_pretrained(resolved.path),
+        AutoTokenizer.from_pretrained(resolved.path),
+        resolved.description,
+    )
+
+
+def attention_layer_groups(model_class: type, config) -> list[LayerGroup]:
+    """Each attention layer's window, soft-capping and scale, read from the model built on the meta device."""
+    with torch.device("meta"):
+        model = model_class(config)
+    by_settings: dict[tuple, list[int]] = {}
+    attention_modules = [module for module in model.modules() if hasattr(module, "scaling")]
+    for index, module in enumerate(attention_modules):
+        settings = (
+            getattr(module, "sliding_window", None),
+            getattr(module, "attn_logit_softcapping", None),
+            float(module.scaling),
+        )
+        by_settings.setdefault(settings, []).append(index)
+    return [LayerGroup(tuple(indices), *settings) for settings, indices in by_settings.items()]
+
+
+def phases(
+    cache_kind: str, input_length: int, max_new_tokens: int, padded: bool, max_cache_len: int, layout
+) -> list[Phase]:
+    """The prompt's forward and the decode steps, with the key lengths the attention sees."""
+    if cache_kind in ("dynamic", "none"):
+        prefill_kv = (input_length, input_length)
+    elif cache_kind == "bucketed":
+        bucket = layout.bucket_size
+        prefill_kv = (bucketed(input_length, bucket, max_cache_len),) * 2
+    else:
+        prefill_kv = (max_cache_len, max_cache_len)
+    result = [Phase("prefill", input_length, prefill_kv, padded)]
+    if max_new_tokens > 1:
+        first, last = input_length + 1, input_length + max_new_tokens - 1
+        if cache_kind == "none":
+            result.append(Phase("decode, whole sequence each step", first, (first, last), padded))
+            return result
+        if cache_kind == "dynamic":
+            decode_kv = (first, last)
+        elif cache_kind == "bucketed":
+            decode_kv = (
+                bucketed(first, layout.bucket_size, max_cache_len),
+                bucketed(last, layout.bucket_size, max_cache_len),
+            )
+        else:
+            decode_kv = (max_cache_len, max_cache_len)
+        result.append(Phase("decode", 1, decode_kv, padded))
+    return result
+
+
+def bucketed(tokens: int, bucket_size: int, max_cache_len: int) -> int:
+    return min(-(-tokens // bucket_size) * bucket_size, max_cache_len)
+
+
+def mask_is_skipped(group: LayerGroup, phase: Phase) -> bool:
+    """transformers passes no mask when causality alone is exact (masking_utils._ignore_causal_mask_sdpa)."""
+    if phase.padded:
+        return False
+    kv = phase.kv_lengths[0]
+    if phase.kv_lengths[0] != phase.kv_lengths[1] and phase.q_len > 1:
+        return False
+    if group.sliding_window is not None and phase.kv_lengths[1] >= group.sliding_window:
+        return False
+    return phase.q_len == 1 or kv == phase.q_len
+
+
+def call_account(flags: AttentionFlags, group: LayerGroup, phase: Phase, device: torch.device) -> str:
+    """The path of this group's calls in this phase, and the arguments the kernel gets."""
+    is_prefill = phase.q_len > 1
+    mask_skipped = mask_is_skipped(group, phase)
+    mask = "None" if mask_skipped else f"boolean [rows, 1, {phase.q_len}, kv]"
+    if not flags.use_flash_attention or group.softcap is not None:
+        softmax = "model dtype" if flags.attn_softmax_bf16 else "float32"
+        why = ""
+        if flags.use_flash_attention:
+            why = f" (soft-capped logits, softcap={group.softcap}: no fused kernel computes them; one warning)"
+        causal = ", causal" if mask_skipped and is_prefill else ""
+        return f"default path{why}: matmul-softmax, softmax in {softmax}, mask {mask}{causal}, scale {group.scaling:g}"
+    valid_lengths = flags.flash_attention_causal_mask and is_prefill and phase.name == "prefill"
+    window_kept = valid_lengths and group.sliding_window is not None and phase.q_len > group.sliding_window
+    if window_kept:
+        valid_lengths = False
+    if valid_lengths:
+        arguments = "attn_mask=None, is_causal=True, valid lengths per row"
+        if device.type != "hpu" and phase.padded:
+            arguments += " (left-padded rows run one by one on their real tokens)"
+    elif mask_skipped and is_prefill:
+        arguments = "attn_mask=None, is_causal=True"
+    else:
+        arguments = f"attn_mask={mask}" + (" (additive)" if device.type == "hpu" else "") + ", is_causal=False"
+    softmax_mode = "fast" if flags.flash_attention_fast_softmax and is_prefill else "None"
+    recompute = flags.flash_attention_recompute and is_prefill
+    account = (
+        f"fused kernel, {kernel_name(device)}: {arguments}, scale={group.scaling:g}, softmax_mode={softmax_mode}, "
+        f"recompute={recompute}"
+    )
+    if window_kept:
+        account += f" (sliding window {group.sliding_window} < prompt: the mask keeps it; one warning)"
+    if softmax_mode == "fast" and device.type != "hpu":
+        account += " (no fast softmax here: one warning, exact softmax)"
+    return account
+
+
+def kernel_name(device: torch.device) -> str:
+    if device.type == "hpu":
+        return "Habana FusedSDPA"
+    if device.type == "cuda":
+        return "torch SDPA (flash / memory-efficient / cuDNN backends)"
+    return f"torch SDPA ({device.type} flash backend)"
+
+
+def flag_accounts(arguments: ScriptArguments, device: torch.device, cache_kind: str) -> list[str]:
+    """Every flag of the attention, workload and execution groups: its value, given or default, and its effect."""
+    effects = {
+        "use_flash_attention": "fused kernel for every attention call"
+        if arguments.attention.use_flash_attention
+        else "default matmul-softmax attention",
+        "use_kv_cache": f"KV cache: {cache_kind}",
+        "static_shapes": "static KV cache" if cache_kind in ("static", "bucketed") else "dynamic KV cache",
+        "torch_compile": "decode step compiled by generate() (static cache)"
+        if arguments.execution.torch_compile
+        else "eager",
+        "ignore_eos": "no stop at the end-of-sequence token (eos_token_id=[])"
+        if arguments.workload.ignore_eos
+        else "each sequence stops at its end-of-sequence token",
+        "max_input_tokens": "prompts padded/truncated to this length"
+        if arguments.workload.max_input_tokens > 0
+        else "prompts as they are (padded to the longest)",
+    }
+    groups = [
+        (AttentionFlags, arguments.attention),
+        (WorkloadArguments, arguments.workload),
+        (ExecutionArguments, arguments.execution),
+    ]
+    skip = {"prompt", "device", "chat", "temperature", "top_p", "top_k", "do_sample", "num_beams", "seed"}
+    lines = []
+    for dataclass_type, values in groups:
+        for field in dataclasses.fields(dataclass_type):
+            if field.name in skip:
+                continue
+            value = getattr(values, field.name)
+            origin = "default" if value == field.default else "given"
+            effect = effects.get(field.name, "")
+            lines.append(f"--{field.name} = {value} ({origin}){': ' + effect if effect else ''}")
+    return lines
+
+
+def format_range(bounds: tuple[int, int]) -> str:
+    return str(bounds[0]) if bounds[0] == bounds[1] else f"{bounds[0]}..{bounds[1]}"
+
+
+def format_indices(indices: tuple[int, ...]) -> str:
+    if list(indices) == list(range(indices[0], indices[-1] + 1)):
+        return f"{indices[0]}-{indices[-1]}" if len(indices) > 1 else str(indices[0])
+    return ",".join(str(index) for index in indices)
