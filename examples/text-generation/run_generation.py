@@ -35,6 +35,7 @@ from optimum.habana.example_support.text_generation import (
     format_stats,
     format_texts,
     generation_config_summary,
+    is_out_of_memory,
     kv_cache_layout,
     optimum_habana_results,
     parse_arguments,
@@ -73,6 +74,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         loaded = load_model_and_tokenizer(arguments.model.model_name_or_path, dtype=dtype, device=device)
         model, tokenizer = loaded.model, loaded.tokenizer
         load_seconds = loaded.load_seconds
+        max_positions = getattr(model.config, "max_position_embeddings", None)
+        if workload.max_input_tokens > 0:  # before tokenizing: padding to a huge length would take minutes
+            check_sequence_length(workload.max_input_tokens, workload.max_new_tokens, max_positions, fixed=True)
         if arguments.model.peft_model:
             start = time.perf_counter()
             model = apply_peft_adapter(model, arguments.model.peft_model)
@@ -82,10 +86,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         inputs, prompt_lengths = tokenize_prompts(tokenizer, texts, workload.max_input_tokens, workload.chat)
         input_length = inputs["input_ids"].shape[1]
         check_sequence_length(
-            input_length,
-            workload.max_new_tokens,
-            getattr(model.config, "max_position_embeddings", None),
-            fixed=workload.max_input_tokens > 0,
+            input_length, workload.max_new_tokens, max_positions, fixed=workload.max_input_tokens > 0
         )
     except (ModelResolutionError, ValueError) as error:
         usage_error(parser, str(error))
@@ -110,16 +111,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     inputs = inputs.to(device)
 
     reset_peak_memory(device)  # the peak below is that of generation, not of loading
-    result = benchmark(
-        model,
-        inputs,
-        generation_config,
-        device=device,
-        seed=workload.seed,
-        warmup=execution.warmup,
-        n_iterations=execution.n_iterations,
-        cache_supply=cache_supply,
-    )
+    try:
+        result = benchmark(
+            model,
+            inputs,
+            generation_config,
+            device=device,
+            seed=workload.seed,
+            warmup=execution.warmup,
+            n_iterations=execution.n_iterations,
+            cache_supply=cache_supply,
+        )
+    except Exception as error:
+        if not is_out_of_memory(error):
+            raise
+        print(
+            f"{parser.prog}: out of {device.type} memory generating batch {workload.batch_size} x "
+            f"{input_length} prompt + {workload.max_new_tokens} new tokens ({type(error).__name__}). Lower "
+            "--batch_size, --max_input_tokens or --max_new_tokens, or add --use_flash_attention (O(N) attention "
+            "memory). Nothing was written.",
+            file=sys.stderr,
+        )
+        return 1
     memory = memory_stats(device)
 
     outputs = decode_new_tokens(tokenizer, result.output, input_length)
@@ -182,4 +195,8 @@ def show_library_progress() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:
+        print("run_generation.py: interrupted; no results were written.", file=sys.stderr)
+        sys.exit(130)

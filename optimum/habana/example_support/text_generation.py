@@ -308,6 +308,12 @@ def validate_arguments(arguments: ScriptArguments) -> None:
             raise ValueError(f"--{name} must be at least 1, got {value}.")
     if execution.warmup < 0:
         raise ValueError(f"--warmup must be 0 or more, got {execution.warmup}.")
+    for group in (workload, execution):
+        for name, value in dataclasses.asdict(group).items():
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ValueError(f"--{name} must be a finite number, got {value}.")
+    if not 0 <= workload.seed < 2**32:
+        raise ValueError(f"--seed must be in [0, 2**32 - 1], got {workload.seed}.")
     sources = [name for name in ("prompt", "prompt_file", "book_source") if getattr(workload, name)]
     if len(sources) > 1:
         raise ValueError(f"--{sources[0]} and --{sources[1]} both give the prompt: choose one.")
@@ -722,6 +728,14 @@ def optimum_habana_results(stats: dict[str, Any], prompts: Sequence[str], texts:
         "input": list(prompts),
         "output": [[text] for text in texts],
     }
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """A failed allocation: torch's own error on CUDA/HPU, MemoryError, or the CPU allocator's RuntimeError."""
+    if isinstance(error, torch.OutOfMemoryError | MemoryError):
+        return True
+    message = str(error).lower()
+    return isinstance(error, RuntimeError) and ("out of memory" in message or "can't allocate memory" in message)
 
 
 def apply_peft_adapter(model: Any, adapter_dir: str) -> Any:
