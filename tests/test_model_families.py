@@ -11,6 +11,7 @@ import torch
 
 from optimum.habana import GaudiGenerationConfig, gaudi_model_class, supported_model_types
 from optimum.habana.kernels import dispatch
+from optimum.habana.transformers.cache import BucketedStaticCache
 from tests.utils import FLASH_KERNEL_CPU, TINY_SIZES, count_attention_paths, left_padded_batch, tiny_config
 
 
@@ -141,3 +142,24 @@ def test_gemma2_soft_capping_and_scaling_match_stock_eager():
     uncapped = build_pair("gemma2", **{**overrides, "attn_logit_softcapping": None})[1]
     with torch.no_grad():
         assert not torch.allclose(stock(**inputs).logits, uncapped(**inputs).logits, atol=1e-3)
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_bucketed_static_cache_gives_stock_tokens(model_type):
+    """Optimum-Habana's --bucket_size (grown) and --bucket_internal (preallocated) caches, sliding layers included."""
+    overrides = SLIDING_WINDOW_CONFIGS.get(model_type, {})
+    ours, stock = build_pair(model_type, **overrides)
+    inputs = left_padded_batch([9, 6, 9], seed=3)
+    reference = stock.generate(**inputs, max_new_tokens=10, min_new_tokens=10, do_sample=False, pad_token_id=0)
+    for preallocate in (True, False):
+        cache = BucketedStaticCache(ours.config, max_cache_len=19, bucket_size=4, preallocate=preallocate)
+        flash = ours.generate(
+            **inputs,
+            past_key_values=cache,
+            use_flash_attention=True,
+            max_new_tokens=10,
+            min_new_tokens=10,
+            do_sample=False,
+            pad_token_id=0,
+        )
+        assert torch.equal(flash, reference), preallocate
