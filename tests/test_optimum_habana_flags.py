@@ -353,6 +353,8 @@ EXPLAINED = {
     "flash static": ["--use_flash_attention", "--static_shapes"],
     "flash buckets": ["--use_flash_attention", "--bucket_size", "4", "--bucket_internal"],
     "flash batch 1": ["--use_flash_attention", "--batch_size", "1"],
+    "flash without cache": ["--use_flash_attention", "--flash_attention_causal_mask", "--use_kv_cache", "False"],
+    "flash without cache, batch 1": ["--use_flash_attention", "--use_kv_cache", "False", "--batch_size", "1"],
 }
 
 
@@ -362,8 +364,9 @@ def test_explain_says_what_the_run_does(script, tiny_checkpoint, tmp_path, atten
     run_in_process(script, tiny_argv(tiny_checkpoint, *extra), tmp_path)
     sections = text.split("  decode")
     prefill_lines, decode_lines = sections[0].split("  prefill")[1], sections[1]
+    prompt_length = attention_calls[0][1]
     for call in attention_calls:
-        lines = prefill_lines if call[1] > 1 else decode_lines
+        lines = prefill_lines if call[1] == prompt_length else decode_lines
         assert all(words in lines for words in account(call)), (call, text)
     fused = "--use_flash_attention" in extra
     assert ("fused kernel" in prefill_lines) == fused and ("fused kernel" in decode_lines) == fused

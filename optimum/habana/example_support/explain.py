@@ -49,6 +49,7 @@ class Phase:
     q_len: int
     kv_lengths: tuple[int, int]  # first and last key length of the phase
     padded: bool
+    from_empty_cache: bool = False  # the whole sequence each call: no cache, or the prompt's forward
 
 
 def explain(arguments: ScriptArguments) -> str:
@@ -148,11 +149,11 @@ def phases(
         prefill_kv = (bucketed(input_length, bucket, max_cache_len),) * 2
     else:
         prefill_kv = (max_cache_len, max_cache_len)
-    result = [Phase("prefill", input_length, prefill_kv, padded)]
+    result = [Phase("prefill", input_length, prefill_kv, padded, from_empty_cache=True)]
     if max_new_tokens > 1:
         first, last = input_length + 1, input_length + max_new_tokens - 1
         if cache_kind == "none":
-            result.append(Phase("decode, whole sequence each step", first, (first, last), padded))
+            result.append(Phase("decode, whole sequence each step", first, (first, last), padded, True))
             return result
         if cache_kind == "dynamic":
             decode_kv = (first, last)
@@ -175,12 +176,11 @@ def mask_is_skipped(group: LayerGroup, phase: Phase) -> bool:
     """transformers passes no mask when causality alone is exact (masking_utils._ignore_causal_mask_sdpa)."""
     if phase.padded:
         return False
-    kv = phase.kv_lengths[0]
-    if phase.kv_lengths[0] != phase.kv_lengths[1] and phase.q_len > 1:
-        return False
     if group.sliding_window is not None and phase.kv_lengths[1] >= group.sliding_window:
         return False
-    return phase.q_len == 1 or kv == phase.q_len
+    if phase.name != "prefill" and phase.from_empty_cache:
+        return True  # each step reads the whole sequence: as many keys as queries
+    return phase.q_len == 1 or phase.kv_lengths == (phase.q_len, phase.q_len)
 
 
 def call_account(flags: AttentionFlags, group: LayerGroup, phase: Phase, device: torch.device) -> str:
@@ -195,7 +195,7 @@ def call_account(flags: AttentionFlags, group: LayerGroup, phase: Phase, device:
             why = f" (soft-capped logits, softcap={group.softcap}: no fused kernel computes them; one warning)"
         causal = ", causal" if mask_skipped and is_prefill else ""
         return f"default path{why}: matmul-softmax, softmax in {softmax}, mask {mask}{causal}, scale {group.scaling:g}"
-    valid_lengths = flags.flash_attention_causal_mask and is_prefill and phase.name == "prefill"
+    valid_lengths = flags.flash_attention_causal_mask and is_prefill and phase.from_empty_cache
     window_kept = valid_lengths and group.sliding_window is not None and phase.q_len > group.sliding_window
     if window_kept:
         valid_lengths = False
