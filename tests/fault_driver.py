@@ -17,11 +17,14 @@ from pathlib import Path
 from optimum.habana.utils import model_loading
 
 
+MARKER = Path(sys.argv[2])
+
+
 def slow_convert(gguf_path: Path, output_dir: Path) -> None:
     (output_dir / "config.json").write_text('{"model_type": "llama"}')
     (output_dir / "model.safetensors").write_bytes(os.urandom(1 << 16))
     if os.environ.get("FAULT_DRIVER_FAST") != "1":
-        Path(sys.argv[2]).write_text(str(output_dir))
+        MARKER.write_text(str(output_dir))
         time.sleep(120)
 
 
