@@ -5,7 +5,7 @@ file's stat stamp (inode, size, modification and change times) when it was hashe
 file is there with its size, and re-hashes a file only when its stamp changed: any write, truncation, copy or
 `touch` changes the change time (ctime), which no user call can set back. An untouched entry thus costs a few stat
 calls, and a modified one a full hash (~0.4 s for the 540 MB of the default model, against ~0.5-1 s for loading
-it); see docs/run_generation.md for the measurements.
+it); docs/model_cache.md has the measurements.
 """
 
 import contextlib
