@@ -204,25 +204,22 @@ def wait_for(path: Path, process: subprocess.Popen, timeout: float = 120) -> Non
         time.sleep(0.1)
 
 
-@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGINT], ids=["kill -9", "SIGINT"])
-def test_conversion_killed_then_rerun_converts_and_leaves_nothing_behind(cache, gguf_file, tmp_path, sig):
+def test_conversion_killed_then_rerun_converts_and_leaves_nothing_behind(cache, conversions, gguf_file, tmp_path):
+    """kill -9 gives no chance to clean up: the next run removes the staging folder. (Ctrl-C cleans up at once:
+    tests/test_run_lora_clm_failures.py sends it to the script during a conversion.)"""
     marker = tmp_path / "converting"
     process = run_driver(cache, marker, "resolve", str(gguf_file))
     wait_for(marker, process)
     staging = Path(marker.read_text())
     assert staging.is_dir() and staging.parent == cache / "gguf"
-    process.send_signal(sig)
+    process.kill()
     process.communicate(timeout=60)
-    assert process.returncode != 0
-    entries = [entry.name for entry in (cache / "gguf").iterdir()]
-    assert entries == ([staging.name] if sig == signal.SIGKILL else []), entries  # SIGINT cleans up itself
+    assert process.returncode == -signal.SIGKILL
+    assert [entry.name for entry in (cache / "gguf").iterdir()] == [staging.name]
 
-    rerun = run_driver(cache, marker, "resolve", str(gguf_file), fast=True)
-    stdout, stderr = rerun.communicate(timeout=120)
-    assert rerun.returncode == 0, stderr
-    entry = Path(stdout.strip())
-    assert cache_manifest.verify(entry) is None
-    assert [path.name for path in (cache / "gguf").iterdir()] == [entry.name]
+    rerun = resolve_model(str(gguf_file))
+    assert rerun.converted is True and cache_manifest.verify(rerun.path) is None
+    assert [path.name for path in (cache / "gguf").iterdir()] == [rerun.path.name]
 
 
 def test_concurrent_conversions_both_succeed_with_one_entry(cache, gguf_file, tmp_path):
