@@ -21,6 +21,7 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM, TrainerCallback
 
+from optimum.habana.utils.atomic import current_umask
 from optimum.habana.utils.model_loading import CACHE_ENV_VAR
 
 from .test_model_loading import write_gguf
@@ -302,6 +303,7 @@ def test_overwrite_output_dir_replaces_the_earlier_run(script, checkpoint, earli
     earlier_adapter = (output_dir / ADAPTER).read_bytes()
     script.main(script_args(checkpoint, output_dir, *TRAIN.split(), "--overwrite_output_dir", "--seed", "1"))
     assert (output_dir / ADAPTER).read_bytes() != earlier_adapter
+    assert (output_dir / ADAPTER).stat().st_mode & 0o777 == 0o666 & ~current_umask()  # safetensors writes 0600
     assert not [path for path in output_dir.iterdir() if path.name.startswith(".")]
 
 

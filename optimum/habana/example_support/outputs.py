@@ -16,6 +16,7 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+from ..utils.atomic import current_umask
 from ..utils.staging import make_staging_folder, remove_stale_staging
 
 
@@ -158,12 +159,17 @@ def publishing(output_dir: Path) -> Iterator[Path]:
 
 
 def publish(staging: Path, output_dir: Path) -> None:
-    """Move every file of `staging` to the same place under `output_dir`, each with a durable atomic rename."""
+    """Move every file of `staging` to the same place under `output_dir`, each with a durable atomic rename.
+
+    The files get the permissions the user's umask gives (some writers, safetensors among them, create 0600 files).
+    """
+    mode = 0o666 & ~current_umask()
     for source in sorted(path for path in staging.rglob("*") if path.is_file()):
         destination = output_dir / source.relative_to(staging)
         destination.parent.mkdir(parents=True, exist_ok=True)
         with open(source, "rb") as file:
             os.fsync(file.fileno())
+        os.chmod(source, mode)
         os.replace(source, destination)
 
 
