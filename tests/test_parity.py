@@ -164,3 +164,23 @@ def test_model_agrees_on_a_row_with_an_all_zero_attention_mask(models):
     assert torch.isfinite(default).all() and torch.isfinite(flash).all()
     torch.testing.assert_close(flash, default, atol=FP32_LOGITS_TOLERANCE, rtol=0)  # every position, row 1 included
     assert torch.equal(greedy(ours, inputs, use_flash_attention=True), greedy(ours, inputs))
+
+
+def test_training_gradients_agree_with_an_all_zero_attention_mask_row():
+    """The zeroed rows carry no NaN into backward: same finite loss and gradients on both paths."""
+    torch.manual_seed(0)
+    model = GaudiLlamaForCausalLM(tiny_llama_config(initializer_range=0.1)).train()
+    inputs = left_padded_batch([6, 4, 3], seed=8)
+    inputs["attention_mask"][1] = 0
+    labels = inputs["input_ids"].masked_fill(inputs["attention_mask"] == 0, -100)
+    gradients = {}
+    for flag in (False, True):
+        model.zero_grad()
+        loss = model(**inputs, labels=labels, use_flash_attention=flag).loss
+        loss.backward()
+        assert torch.isfinite(loss)
+        gradients[flag] = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    assert gradients[True].keys() == gradients[False].keys()
+    for name, gradient in gradients[True].items():
+        assert torch.isfinite(gradient).all(), name
+        torch.testing.assert_close(gradient, gradients[False][name], atol=1e-5, rtol=0, msg=name)
