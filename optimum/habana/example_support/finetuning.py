@@ -20,6 +20,7 @@ from datasets import Dataset, DatasetDict, load_dataset
 from datasets.exceptions import DatasetGenerationError
 from peft import LoraConfig, PeftModel, TaskType, get_peft_model
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, Trainer
+from transformers.pytorch_utils import Conv1D
 
 from ..transformers.attention_flags import AttentionFlags, attention_flags_of
 from ..transformers.generation import GaudiGenerationConfig
@@ -41,6 +42,8 @@ PROMPT_TEMPLATE_WITH_INPUT = "### Instruction:\n{instruction}\n\n### Input:\n{in
 
 # Label of the tokens that carry no loss (prompt and padding): the ignore_index of transformers' causal LM loss.
 IGNORE_INDEX = -100
+# Layer types that PEFT's LoRA can adapt, listed when a --lora_target_modules name matches nothing.
+LORA_LAYERS = (torch.nn.Linear, torch.nn.Embedding, torch.nn.Conv1d, torch.nn.Conv2d, Conv1D)
 # The default LoRA targets: whichever of these attention projections the family has (Phi3 fuses q, k and v).
 ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj")
 
@@ -269,8 +272,7 @@ def tokenize_dataset(
     kept = tokenized.filter(has_loss_tokens, desc="Dropping examples with nothing to learn")
     if kept.num_rows < tokenized.num_rows:
         logger.warning(
-            "Skipped %d of %d examples that keep no token to learn within --max_seq_length %s "
-            "(the prompt fills it, or the answer is empty).",
+            "Skipped %d of %d examples that keep no token to learn within --max_seq_length %s (the prompt fills it).",
             tokenized.num_rows - kept.num_rows,
             tokenized.num_rows,
             max_seq_length,
@@ -366,20 +368,18 @@ def check_target_modules(model: PreTrainedModel, targets: Sequence[str] | str) -
     leaves out the others (a misspelt `v_prj` next to `q_proj` trains without its adapter)."""
     if isinstance(targets, str):  # a regular expression, which PEFT matches against the full names itself
         return
-    names = [name for name, module in model.named_modules() if _has_weight(module)]
+    modules = dict(model.named_modules())
     unknown = [
-        target for target in targets if not any(name == target or name.endswith(f".{target}") for name in names)
+        target for target in targets if not any(name == target or name.endswith(f".{target}") for name in modules)
     ]
     if unknown:
-        available = sorted({name.rsplit(".", 1)[-1] for name in names if name})
+        available = sorted(
+            {name.rsplit(".", 1)[-1] for name, module in modules.items() if isinstance(module, LORA_LAYERS)}
+        )
         raise FineTuningError(
             f"--lora_target_modules: {type(model).__name__} has no module named {', '.join(map(repr, unknown))}. "
-            f"Its layers with weights are: {' '.join(available)}."
+            f"Its layers that LoRA can adapt: {' '.join(available)}."
         )
-
-
-def _has_weight(module: torch.nn.Module) -> bool:
-    return isinstance(getattr(module, "weight", None), torch.Tensor)
 
 
 def add_lora(model: PreTrainedModel, config: LoraConfig) -> PeftModel:
