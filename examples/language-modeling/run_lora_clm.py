@@ -8,6 +8,11 @@ With no --model_name_or_path it fine-tunes the embedded SmolLM2-135M-Instruct; w
 shipped examples/language-modeling/data/instructions.jsonl. The adapter is saved to --output_dir, where
 `examples/text-generation/run_generation.py --peft_model DIR` picks it up. See docs/fine_tuning.md.
 
+Nothing is lost: a non-empty --output_dir is refused unless --overwrite_output_dir or --resume_from_checkpoint
+(True: the last complete checkpoint) says what to do with it, and final files are written atomically. Bad input
+exits with status 2, a non-finite loss or out of memory with 1, Ctrl-C with 130: one line each ("Failure
+behaviour" in docs/fine_tuning.md).
+
 The attention flags are set on the model's generation config before PEFT wraps it, so every forward of training,
 evaluation and the final generation uses them, with or without --gradient_checkpointing (which forces the fused
 kernel's recompute on), and the Trainer never passes them as arguments.
@@ -193,7 +198,7 @@ def run(
     model_args, data_args, lora_args, attention_args = args.model, args.data, args.lora, args.attention
     generation_args, output_args, training_args = args.generation, args.output, args.training
     try:
-        check_numbers(model_args, data_args, lora_args, generation_args, training_args)
+        check_numbers(args)
         flags = finetuning.attention_flags_from(attention_args)
         check_arguments(data_args, generation_args, training_args)
         resume = outputs.parse_resume_value(training_args.resume_from_checkpoint)
@@ -328,13 +333,12 @@ def run(
     return metrics
 
 
-def check_numbers(*arguments: Any) -> None:
+def check_numbers(args: Arguments) -> None:
     """nan/inf in any float argument and seeds out of range, before anything is loaded."""
     try:
-        check_finite_numbers(*arguments)
-        training_args = arguments[-1]
-        check_seed(training_args.seed, "--seed")
-        check_seed(training_args.data_seed, "--data_seed")
+        check_finite_numbers(args.model, args.data, args.lora, args.generation, args.training)
+        check_seed(args.training.seed, "--seed")
+        check_seed(args.training.data_seed, "--data_seed")
     except ValueError as error:
         raise finetuning.FineTuningError(str(error)) from None
 
