@@ -162,7 +162,8 @@ def test_bucketed_cache_same_tokens_and_decode_reads_filled_buckets(
     dynamic = run_in_process(script, tiny_argv(tiny_checkpoint, *extra, "--max_new_tokens", "12"), tmp_path / "dyn")
     attention_calls.clear()
     bucket = ["--bucket_size", "4", *(["--bucket_internal"] if internal else [])]
-    bucketed = run_in_process(script, tiny_argv(tiny_checkpoint, *extra, "--max_new_tokens", "12", *bucket), tmp_path)
+    argv = tiny_argv(tiny_checkpoint, *extra, "--max_new_tokens", "12", *bucket)
+    bucketed = run_in_process(script, argv, tmp_path / "bucketed")
     assert outputs(bucketed) == outputs(dynamic)
     prompt_length = bucketed["stats"]["input_tokens"]
     decode_keys = [kv for _, q_len, kv, _ in attention_calls if q_len == 1][::2]  # two layers per step

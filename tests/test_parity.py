@@ -5,6 +5,7 @@ import torch
 from transformers import LlamaForCausalLM
 
 from optimum.habana import GaudiLlamaForCausalLM
+from optimum.habana.transformers import attention
 from tests.utils import left_padded_batch, tiny_llama_config
 
 
@@ -124,3 +125,62 @@ def test_compiled_decode_matches(models, monkeypatch):
         ours, inputs, cache_implementation="static", compile_config=compile_config, use_flash_attention=True
     )
     assert torch.equal(flash, reference)
+
+
+# --- degenerate input: a row whose attention mask is all zeros ---------------------------------------------------
+
+
+class _Layer(torch.nn.Module):
+    """Stands in for an attention layer: the attention function reads only `training` from it."""
+
+
+@pytest.mark.parametrize("mask_kind", ["bool", "float"])
+def test_attention_function_gives_zero_for_queries_that_attend_to_nothing(mask_kind):
+    """Documented output (docs/attention.md): a query whose mask row is all masked gets 0, with and without the flag."""
+    generator = torch.Generator().manual_seed(0)
+    query, key, value = (torch.randn(3, heads, 5, 8, generator=generator) for heads in (4, 2, 2))
+    mask = torch.ones(3, 1, 5, 5, dtype=torch.bool).tril()
+    mask[1] = False  # a row whose attention mask is all zeros
+    mask[2, :, :2] = False  # two left-padding query positions
+    if mask_kind == "float":
+        mask = torch.zeros(mask.shape).masked_fill(~mask, torch.finfo(torch.float32).min)
+    layer = _Layer().eval()
+    default, weights = attention.gaudi_attention_forward(layer, query, key, value, mask)
+    flash, _ = attention.gaudi_attention_forward(layer, query, key, value, mask, use_flash_attention=True)
+    torch.testing.assert_close(flash, default, atol=1e-6, rtol=0)
+    assert torch.equal(default[1], torch.zeros_like(default[1]))
+    assert torch.equal(default[2, :2], torch.zeros_like(default[2, :2]))
+    assert default[0].abs().sum() > 0 and default[2, 2:].abs().sum() > 0
+    assert torch.equal(weights[1], torch.zeros_like(weights[1]))
+
+
+def test_model_agrees_on_a_row_with_an_all_zero_attention_mask(models):
+    ours, _ = models
+    inputs = left_padded_batch([9, 6, 4], seed=7)
+    inputs["attention_mask"][1] = 0
+    with torch.no_grad():
+        default = ours(**inputs).logits
+        flash = ours(**inputs, use_flash_attention=True).logits
+    assert torch.isfinite(default).all() and torch.isfinite(flash).all()
+    torch.testing.assert_close(flash, default, atol=FP32_LOGITS_TOLERANCE, rtol=0)  # every position, row 1 included
+    assert torch.equal(greedy(ours, inputs, use_flash_attention=True), greedy(ours, inputs))
+
+
+def test_training_gradients_agree_with_an_all_zero_attention_mask_row():
+    """The zeroed rows carry no NaN into backward: same finite loss and gradients on both paths."""
+    torch.manual_seed(0)
+    model = GaudiLlamaForCausalLM(tiny_llama_config(initializer_range=0.1)).train()
+    inputs = left_padded_batch([6, 4, 3], seed=8)
+    inputs["attention_mask"][1] = 0
+    labels = inputs["input_ids"].masked_fill(inputs["attention_mask"] == 0, -100)
+    gradients = {}
+    for flag in (False, True):
+        model.zero_grad()
+        loss = model(**inputs, labels=labels, use_flash_attention=flag).loss
+        loss.backward()
+        assert torch.isfinite(loss)
+        gradients[flag] = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    assert gradients[True].keys() == gradients[False].keys()
+    for name, gradient in gradients[True].items():
+        assert torch.isfinite(gradient).all(), name
+        torch.testing.assert_close(gradient, gradients[False][name], atol=1e-5, rtol=0, msg=name)

@@ -494,8 +494,8 @@ BAD_INPUTS = {
     "temperature without sampling": (["--temperature", "0.7"], "--temperature only applies to sampling"),
     "temperature nan": (["--do_sample", "--temperature", "nan"], "--temperature must be a finite number, got nan"),
     "top_p inf": (["--do_sample", "--top_p", "inf"], "--top_p must be a finite number, got inf"),
-    "negative seed": (["--seed", "-1"], "--seed must be in [0, 2**32 - 1], got -1"),
-    "seed too large": (["--seed", str(2**32)], "--seed must be in [0, 2**32 - 1]"),
+    "negative seed": (["--seed", "-1"], "--seed must be in [0, 4294967295], got -1"),
+    "seed too large": (["--seed", str(2**32)], "--seed must be in [0, 4294967295]"),
     # Checked before tokenizing: padding every prompt to 1e8 tokens would take minutes and gigabytes.
     "max input tokens beyond positions": (["--max_input_tokens", "100000000"], "--max_input_tokens (100000000)"),
     "not a boolean": (["--use_flash_attention", "maybe"], "argument --use_flash_attention"),

@@ -49,6 +49,10 @@ def script():
 
 @pytest.fixture(scope="module")
 def tokenizer() -> PreTrainedTokenizerFast:
+    return build_tokenizer()
+
+
+def build_tokenizer() -> PreTrainedTokenizerFast:
     """Word-level, trained on the shipped dataset laid out in the prompt template, so every word has an id."""
     rows = [json.loads(line) for line in DATA_FILE.read_text().splitlines()]
     texts = [finetuning.build_prompt(row["instruction"], row["input"]) + row["output"] for row in rows]
@@ -64,7 +68,10 @@ def tokenizer() -> PreTrainedTokenizerFast:
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory, tokenizer) -> Path:
     """A stock Llama checkpoint, as a user would pass it, with the tokenizer beside it."""
-    folder = tmp_path_factory.mktemp("tiny_llama")
+    return save_tiny_checkpoint(tmp_path_factory.mktemp("tiny_llama"), tokenizer)
+
+
+def save_tiny_checkpoint(folder: Path, tokenizer: PreTrainedTokenizerFast) -> Path:
     torch.manual_seed(0)
     LlamaForCausalLM(tiny_llama_config(vocab_size=len(tokenizer))).save_pretrained(folder)
     tokenizer.save_pretrained(folder)

@@ -8,6 +8,11 @@ With no --model_name_or_path it fine-tunes the embedded SmolLM2-135M-Instruct; w
 shipped examples/language-modeling/data/instructions.jsonl. The adapter is saved to --output_dir, where
 `examples/text-generation/run_generation.py --peft_model DIR` picks it up. See docs/fine_tuning.md.
 
+Nothing is lost: a non-empty --output_dir is refused unless --overwrite_output_dir or --resume_from_checkpoint
+(True: the last complete checkpoint) says what to do with it, and final files are written atomically. Bad input
+exits with status 2, a non-finite loss or out of memory with 1, Ctrl-C with 130: one line each ("Failure
+behaviour" in docs/fine_tuning.md).
+
 The attention flags are set on the model's generation config before PEFT wraps it, so every forward of training,
 evaluation and the final generation uses them, with or without --gradient_checkpointing (which forces the fused
 kernel's recompute on), and the Trainer never passes them as arguments.
@@ -25,15 +30,15 @@ import torch
 from transformers import (
     DataCollatorForSeq2Seq,
     HfArgumentParser,
-    Trainer,
     TrainerCallback,
     TrainingArguments,
     set_seed,
 )
 
-from optimum.habana.example_support import finetuning
-from optimum.habana.example_support.arguments import AttentionArguments
+from optimum.habana.example_support import adapters, failures, finetuning, outputs
+from optimum.habana.example_support.arguments import AttentionArguments, check_finite_numbers, check_seed
 from optimum.habana.utils import devices
+from optimum.habana.utils.atomic import atomic_write_text
 from optimum.habana.utils.model_loading import ModelResolutionError
 from optimum.habana.utils.pretrained import load_model_and_tokenizer
 
@@ -121,27 +126,95 @@ class GenerationArguments:
     max_new_tokens: int = field(default=32, metadata={"help": "Tokens generated per prompt for --generation_samples."})
 
 
-ARGUMENT_CLASSES = (ModelArguments, DataArguments, LoraArguments, AttentionArguments, GenerationArguments)
+@dataclass
+class OutputArguments:
+    overwrite_output_dir: bool = field(
+        default=False,
+        metadata={
+            "help": "Write into a non-empty --output_dir, replacing an earlier run's files; without it (or "
+            "--resume_from_checkpoint) the script refuses, so that no adapter is ever lost silently."
+        },
+    )
+
+
+ARGUMENT_CLASSES = (
+    ModelArguments,
+    DataArguments,
+    LoraArguments,
+    AttentionArguments,
+    GenerationArguments,
+    OutputArguments,
+)
+
+
+@dataclass
+class Arguments:
+    """The parsed command line, one dataclass per group."""
+
+    model: ModelArguments
+    data: DataArguments
+    lora: LoraArguments
+    attention: Any  # AttentionArguments
+    generation: GenerationArguments
+    output: OutputArguments
+    training: TrainingArguments
+
+
+@dataclass
+class Progress:
+    """Where the run is, for the one line printed on Ctrl-C or out of memory."""
+
+    phase: str = "starting"
+    output_dir: Path | None = None
+    checkpoints_before: set[str] = field(default_factory=set)
+    published: list[str] = field(default_factory=list)
 
 
 def main(argv: Sequence[str] | None = None, callbacks: list[TrainerCallback] | None = None) -> dict[str, Any]:
     """Fine-tune, evaluate, save the adapter; returns the metrics (also in OUTPUT_DIR/all_results.json).
 
-    A usage problem (bad argument, unusable data file or model) exits with status 2 and a one-line message.
+    A usage problem (bad argument, unusable data file, model, output folder or checkpoint) exits with status 2
+    and a one-line message, before the model loads wherever it can be checked without it. A non-finite training
+    loss or running out of memory exits with status 1, Ctrl-C with 130: one line each, and nothing half-written.
     """
     parser = HfArgumentParser((*ARGUMENT_CLASSES, TrainingArguments), prog=Path(__file__).name)
     try:
-        model_args, data_args, lora_args, attention_args, generation_args, training_args = (
-            parser.parse_args_into_dataclasses(args=argv, look_for_args_file=False)
-        )
+        args = Arguments(*parser.parse_args_into_dataclasses(args=argv, look_for_args_file=False))
     except ValueError as error:  # unknown arguments, and TrainingArguments' own checks
         usage_error(parser, str(error))
+    progress = Progress()
+    with failures.exit_on_interrupt_or_oom(
+        parser.prog,
+        on_interrupt=lambda: interrupted_message(progress),
+        on_out_of_memory=lambda error: out_of_memory_message(progress, error, args),
+        cleanup=lambda: remove_partial_checkpoints(progress),
+    ):
+        return run(parser, args, progress, callbacks)
+
+
+def run(
+    parser: HfArgumentParser, args: Arguments, progress: Progress, callbacks: list[TrainerCallback] | None
+) -> dict[str, Any]:
+    model_args, data_args, lora_args, attention_args = args.model, args.data, args.lora, args.attention
+    generation_args, output_args, training_args = args.generation, args.output, args.training
     try:
+        check_numbers(args)
         flags = finetuning.attention_flags_from(attention_args)
         check_arguments(data_args, generation_args, training_args)
+        resume = outputs.parse_resume_value(training_args.resume_from_checkpoint)
+        output_dir = outputs.prepare_output_dir(
+            training_args.output_dir, overwrite=output_args.overwrite_output_dir, resuming=resume is not None
+        )
+        progress.output_dir = output_dir
+        checkpoint = outputs.resolve_checkpoint(resume, output_dir)
+        if checkpoint is not None:
+            if not training_args.do_train:
+                raise finetuning.FineTuningError("--resume_from_checkpoint continues a training: pass --do_train.")
+            adapters.check_adapter_folder(checkpoint, "--resume_from_checkpoint")
         train_file = data_args.train_file
         if train_file is None and data_args.dataset_name is None:
             train_file = str(DEFAULT_TRAIN_FILE)
+        progress.phase = "loading the data"
         raw_datasets, data_format = finetuning.load_raw_datasets(
             train_file=train_file,
             validation_file=data_args.validation_file,
@@ -162,18 +235,22 @@ def main(argv: Sequence[str] | None = None, callbacks: list[TrainerCallback] | N
         )
         set_seed(training_args.seed)
         dtype = resolve_dtype(model_args.torch_dtype, training_args)
+        progress.phase = "loading the model"
         loaded = load_model_and_tokenizer(model_args.model_name_or_path, dtype=dtype, device=training_args.device)
         model, tokenizer = loaded.model, loaded.tokenizer
         # Before PEFT wraps the model: its forward reads the flags from here on every call.
         finetuning.set_attention_flags(model, flags)
         model = finetuning.add_lora(model, lora_config)
-    except (finetuning.FineTuningError, ModelResolutionError) as error:
+        if checkpoint is not None:
+            adapters.check_adapter_matches(checkpoint, model, "--resume_from_checkpoint")
+    except (finetuning.FineTuningError, ModelResolutionError, outputs.OutputDirError, adapters.AdapterError) as error:
         usage_error(parser, str(error))
 
     logger.info("Model: %s, %s, attention flags %s", loaded.resolved.description, dtype, flags)
     if training_args.local_process_index == 0:
         model.print_trainable_parameters()
 
+    progress.phase = "tokenizing"
     tokenizer.padding_side = "right"  # training batches: real tokens first, so positions start at 0
     datasets = {}
     for split, dataset in raw_datasets.items():
@@ -192,7 +269,7 @@ def main(argv: Sequence[str] | None = None, callbacks: list[TrainerCallback] | N
         datasets[split] = tokenized
     logger.info("Data: %s, %s", data_format, {split: dataset.num_rows for split, dataset in datasets.items()})
 
-    trainer = Trainer(
+    trainer = finetuning.FiniteLossTrainer(
         model=model,
         args=training_args,
         train_dataset=datasets["train"] if training_args.do_train else None,
@@ -205,38 +282,65 @@ def main(argv: Sequence[str] | None = None, callbacks: list[TrainerCallback] | N
     metrics: dict[str, Any] = {}
 
     if training_args.do_train:
+        progress.phase = "training"
+        progress.checkpoints_before = {path.name for path in outputs.checkpoints(output_dir)}
         devices.reset_peak_memory(device)
-        train_result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+        try:
+            train_result = trainer.train(resume_from_checkpoint=None if checkpoint is None else str(checkpoint))
+        except finetuning.NonFiniteLossError as error:
+            remove_partial_checkpoints(progress)
+            runtime_error(
+                parser,
+                f"{error}: training stopped and this run's adapter was not saved. Lower --learning_rate, check "
+                "--lora_alpha and the training data, or train in float32 (no --bf16/--fp16).",
+            )
         devices.synchronize(device)
         train_metrics = {**train_result.metrics, "train_peak_memory_gb": peak_memory_gb(device)}
         train_metrics["train_samples"] = datasets["train"].num_rows
-        trainer.save_model()  # the LoRA adapter and the tokenizer, loadable by run_generation.py --peft_model
-        trainer.save_state()
         trainer.log_metrics("train", train_metrics)
-        trainer.save_metrics("train", train_metrics)
         metrics.update(train_metrics)
+        progress.phase = "saving the adapter"
+        with outputs.publishing(output_dir) as staging:
+            trainer.save_model(str(staging))  # the LoRA adapter and the tokenizer, for run_generation.py --peft_model
+            if trainer.is_world_process_zero():
+                trainer.state.save_to_json(str(staging / "trainer_state.json"))
+                write_metrics(staging, "train", train_metrics, metrics)
+        progress.published.append("the adapter")
 
     if training_args.do_eval:
+        progress.phase = "evaluating"
         devices.reset_peak_memory(device)
         eval_metrics = trainer.evaluate()
         eval_metrics["perplexity"] = finetuning.perplexity(eval_metrics["eval_loss"])
         eval_metrics["eval_peak_memory_gb"] = peak_memory_gb(device)
         eval_metrics["eval_samples"] = datasets["validation"].num_rows
         trainer.log_metrics("eval", eval_metrics)
-        trainer.save_metrics("eval", eval_metrics)
         metrics.update(eval_metrics)
+        if trainer.is_world_process_zero():
+            with outputs.publishing(output_dir) as staging:
+                write_metrics(staging, "eval", eval_metrics, metrics)
+        progress.published.append("the evaluation results")
 
     if generation_args.generation_samples > 0:
+        progress.phase = "generating samples"
         generations = generate_samples(model, tokenizer, raw_datasets, data_format, generation_args)
         if trainer.is_world_process_zero():
-            path = Path(training_args.output_dir) / "generations.json"
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps(generations, indent=2) + "\n")
+            atomic_write_text(output_dir / "generations.json", json.dumps(generations, indent=2) + "\n")
         metrics["generations"] = generations
 
     if trainer.is_world_process_zero():
         print(summary(metrics, flags.use_flash_attention, training_args))
     return metrics
+
+
+def check_numbers(args: Arguments) -> None:
+    """nan/inf in any float argument and seeds out of range, before anything is loaded."""
+    try:
+        check_finite_numbers(args.model, args.data, args.lora, args.generation, args.training)
+        check_seed(args.training.seed, "--seed")
+        check_seed(args.training.data_seed, "--data_seed")
+    except ValueError as error:
+        raise finetuning.FineTuningError(str(error)) from None
 
 
 def check_arguments(
@@ -253,6 +357,48 @@ def check_arguments(
         raise finetuning.FineTuningError(f"--max_new_tokens must be at least 1, got {generation_args.max_new_tokens}.")
     if not (training_args.do_train or training_args.do_eval or generation_args.generation_samples):
         raise finetuning.FineTuningError("Nothing to do: pass --do_train, --do_eval and/or --generation_samples N.")
+
+
+def write_metrics(folder: Path, split: str, split_metrics: dict[str, Any], run_metrics: dict[str, Any]) -> None:
+    """`<split>_results.json` and `all_results.json` (this run's metrics so far), as Trainer.save_metrics names them."""
+    atomic_write_text(folder / f"{split}_results.json", json.dumps(split_metrics, indent=4, sort_keys=True) + "\n")
+    atomic_write_text(folder / "all_results.json", json.dumps(run_metrics, indent=4, sort_keys=True) + "\n")
+
+
+def remove_partial_checkpoints(progress: Progress) -> None:
+    """The checkpoint folder this run was writing when it stopped, if any: no resume could use it."""
+    if progress.output_dir is not None and progress.phase == "training":
+        outputs.remove_incomplete_checkpoints(progress.output_dir, keep=progress.checkpoints_before)
+
+
+def interrupted_message(progress: Progress) -> str:
+    """What Ctrl-C stopped, and what is kept: whole files only, and the way to continue."""
+    kept = f"{' and '.join(progress.published)} of this run saved; " if progress.published else ""
+    complete = None if progress.output_dir is None else outputs.last_complete_checkpoint(progress.output_dir)
+    if complete is not None:
+        then = f"continue from {complete.name} with --resume_from_checkpoint True"
+    elif progress.published:
+        then = "nothing else was written"
+    else:
+        then = f"nothing was written to {progress.output_dir or 'the output folder'}; run the same command again"
+    return f"Ctrl-C while {progress.phase}: {kept}{then}."
+
+
+def out_of_memory_message(progress: Progress, error: BaseException, args: Arguments) -> str:
+    """What ran out, with the batch and lengths that did it, and what to lower."""
+    data_args, generation_args, training_args = args.data, args.generation, args.training
+    device = training_args.device.type
+    if progress.phase == "evaluating":
+        sizes = f"--per_device_eval_batch_size {training_args.per_device_eval_batch_size}"
+    elif progress.phase == "generating samples":
+        sizes = f"--generation_samples {generation_args.generation_samples}, --max_new_tokens {generation_args.max_new_tokens}"
+    else:
+        sizes = f"--per_device_train_batch_size {training_args.per_device_train_batch_size}"
+    sizes += f", --max_seq_length {data_args.max_seq_length}"
+    return (
+        f"out of memory on {device} while {progress.phase} ({sizes}; {type(error).__name__}). Lower the batch size "
+        "or --max_seq_length, or add --gradient_checkpointing."
+    )
 
 
 def resolve_dtype(name: str, training_args: TrainingArguments) -> torch.dtype:
@@ -309,6 +455,11 @@ def summary(metrics: dict[str, Any], use_flash_attention: bool, training_args: T
 def usage_error(parser: HfArgumentParser, message: str) -> NoReturn:
     """Exit with status 2 and the message only: the full usage of TrainingArguments would bury it."""
     parser.exit(2, f"{parser.prog}: error: {message}\n")
+
+
+def runtime_error(parser: HfArgumentParser, message: str) -> NoReturn:
+    """Exit with status 1: the run itself failed (not the command line), with the message only."""
+    parser.exit(failures.EXIT_FAILURE, f"{parser.prog}: error: {message}\n")
 
 
 if __name__ == "__main__":

@@ -21,6 +21,8 @@ import torch
 
 from optimum.habana import hpu
 from optimum.habana.example_support.explain import explain
+from optimum.habana.example_support.failures import exit_on_interrupt_or_oom
+from optimum.habana.example_support.outputs import prepare_output_dir
 from optimum.habana.example_support.text_generation import (
     KVCacheSupply,
     apply_peft_adapter,
@@ -35,7 +37,6 @@ from optimum.habana.example_support.text_generation import (
     format_stats,
     format_texts,
     generation_config_summary,
-    is_out_of_memory,
     kv_cache_layout,
     optimum_habana_results,
     parse_arguments,
@@ -67,6 +68,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     # Everything that can still be a bad input (device, model, adapter, prompts) is checked before generating.
     try:
+        if arguments.output.output_dir:  # checked now: a folder that cannot be written would lose the results
+            prepare_output_dir(
+                arguments.output.output_dir, overwrite=arguments.output.overwrite_output_dir, resuming=False
+            )
         device, dtype = resolve_execution(arguments)
         pool = prompt_pool(workload)
         for note in flag_notes(arguments, device, dtype):
@@ -111,7 +116,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     inputs = inputs.to(device)
 
     reset_peak_memory(device)  # the peak below is that of generation, not of loading
-    try:
+    out_of_memory = (
+        f"out of {device.type} memory generating batch {workload.batch_size} x {input_length} prompt + "
+        f"{workload.max_new_tokens} new tokens. Lower --batch_size, --max_input_tokens or --max_new_tokens, or add "
+        "--use_flash_attention (O(N) attention memory). No results were written."
+    )
+    with exit_on_interrupt_or_oom(
+        parser.prog, on_interrupt=lambda: "no results were written.", on_out_of_memory=lambda error: out_of_memory
+    ):
         result = benchmark(
             model,
             inputs,
@@ -122,17 +134,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             n_iterations=execution.n_iterations,
             cache_supply=cache_supply,
         )
-    except Exception as error:
-        if not is_out_of_memory(error):
-            raise
-        print(
-            f"{parser.prog}: out of {device.type} memory generating batch {workload.batch_size} x "
-            f"{input_length} prompt + {workload.max_new_tokens} new tokens ({type(error).__name__}). Lower "
-            "--batch_size, --max_input_tokens or --max_new_tokens, or add --use_flash_attention (O(N) attention "
-            "memory). Nothing was written.",
-            file=sys.stderr,
-        )
-        return 1
     memory = memory_stats(device)
 
     outputs = decode_new_tokens(tokenizer, result.output, input_length)
@@ -198,5 +199,5 @@ if __name__ == "__main__":
     try:
         sys.exit(main())
     except KeyboardInterrupt:
-        print("run_generation.py: interrupted; no results were written.", file=sys.stderr)
+        print("run_generation.py: interrupted: no results were written.", file=sys.stderr)
         sys.exit(130)

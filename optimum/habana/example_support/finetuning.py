@@ -8,6 +8,7 @@ evaluation, generation, PEFT wrappers and activation checkpointing all see the s
 knowing about them (a trainer that injected the flag into forward calls broke models that do not take it).
 """
 
+import logging
 import math
 from collections.abc import Sequence
 from itertools import chain
@@ -18,12 +19,15 @@ import torch
 from datasets import Dataset, DatasetDict, load_dataset
 from datasets.exceptions import DatasetGenerationError
 from peft import LoraConfig, PeftModel, TaskType, get_peft_model
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers import PreTrainedModel, PreTrainedTokenizerBase, Trainer
+from transformers.pytorch_utils import Conv1D
 
 from ..transformers.attention_flags import AttentionFlags, attention_flags_of
 from ..transformers.generation import GaudiGenerationConfig
 from .arguments import AttentionArguments
 
+
+logger = logging.getLogger(__name__)
 
 DataFormat = Literal["instruction", "text"]
 
@@ -38,6 +42,8 @@ PROMPT_TEMPLATE_WITH_INPUT = "### Instruction:\n{instruction}\n\n### Input:\n{in
 
 # Label of the tokens that carry no loss (prompt and padding): the ignore_index of transformers' causal LM loss.
 IGNORE_INDEX = -100
+# Layer types that PEFT's LoRA can adapt, listed when a --lora_target_modules name matches nothing.
+LORA_LAYERS = (torch.nn.Linear, torch.nn.Embedding, torch.nn.Conv1d, torch.nn.Conv2d, Conv1D)
 # The default LoRA targets: whichever of these attention projections the family has (Phi3 fuses q, k and v).
 ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj")
 
@@ -111,6 +117,7 @@ def load_data_file(path: str, argument: str) -> Dataset:
         )
     if file.stat().st_size == 0:
         raise FineTuningError(f"{argument} {path!r} is empty.")
+    check_utf8(file, argument)
     try:
         dataset = load_dataset(builder, data_files=str(file), split="train")
     except DatasetGenerationError as error:
@@ -122,12 +129,56 @@ def load_data_file(path: str, argument: str) -> Dataset:
         if "corresponds to no data" in str(error):
             raise FineTuningError(f"{argument} {path!r} has no examples.") from None
         raise FineTuningError(f"{argument} {path!r} could not be read as {builder}: {error}") from None
-    if TEXT_FIELD in dataset.column_names and not set(REQUIRED_INSTRUCTION_FIELDS) <= set(dataset.column_names):
-        # Blank lines separate paragraphs in text files; they are not examples.
+    if set(REQUIRED_INSTRUCTION_FIELDS) <= set(dataset.column_names):
+        for name in REQUIRED_INSTRUCTION_FIELDS:
+            check_no_missing_values(dataset, name, file, argument)
+    elif TEXT_FIELD in dataset.column_names:
+        if builder != "text":
+            check_no_missing_values(dataset, TEXT_FIELD, file, argument)
+        rows = dataset.num_rows
         dataset = dataset.filter(lambda example: bool((example[TEXT_FIELD] or "").strip()))
+        # Blank lines separate paragraphs in .txt files: not examples, and not worth a word. Elsewhere they are rows.
+        if builder != "text" and dataset.num_rows < rows:
+            logger.warning("%s %r: skipped %d rows with a blank text.", argument, path, rows - dataset.num_rows)
     if dataset.num_rows == 0:
         raise FineTuningError(f"{argument} {path!r} has no examples.")
     return dataset
+
+
+def check_utf8(file: Path, argument: str) -> None:
+    """Refuse a file that is not UTF-8 text, naming the line: the builders fail on it with a deep traceback."""
+    with open(file, "rb") as stream:
+        for number, line in enumerate(stream, start=1):
+            try:
+                line.decode("utf-8")
+            except UnicodeDecodeError as error:
+                raise FineTuningError(
+                    f"{argument} {str(file)!r} is not UTF-8 text: line {number} has the byte "
+                    f"{line[error.start : error.start + 1]!r} at column {error.start + 1}. Save the file as UTF-8."
+                ) from None
+
+
+def check_no_missing_values(dataset: Dataset, name: str, file: Path, argument: str) -> None:
+    """Refuse rows whose `name` field is missing or null, naming the first one: an example without its answer
+    would otherwise train on an empty response."""
+    missing = [index for index, value in enumerate(dataset[name]) if value is None]
+    if missing:
+        more = f" (and {len(missing) - 1} more rows)" if len(missing) > 1 else ""
+        raise FineTuningError(
+            f"{argument} {str(file)!r}: {row_location(file, missing[0], dataset.num_rows)} has no {name!r} value "
+            f"(missing or null){more}. Fill it in or remove the row."
+        )
+
+
+def row_location(file: Path, index: int, rows: int) -> str:
+    """Where row `index` is in the file: its line for JSON lines and simple CSV files, else its row number."""
+    with open(file, encoding="utf-8") as stream:
+        lines = [number for number, line in enumerate(stream, start=1) if line.strip()]
+    if file.suffix.lower() == ".csv" and len(lines) == rows + 1:  # a header, and no cell spans lines
+        return f"line {lines[index + 1]}"
+    if file.suffix.lower() in (".json", ".jsonl") and len(lines) == rows:  # one JSON object per line
+        return f"line {lines[index]}"
+    return f"row {index + 1}"
 
 
 def load_hub_dataset(name: str, config_name: str | None) -> DatasetDict:
@@ -218,7 +269,15 @@ def tokenize_dataset(
         return features
 
     tokenized = dataset.map(tokenize, batched=True, remove_columns=dataset.column_names, desc="Tokenizing")
-    return tokenized.filter(has_loss_tokens, desc="Dropping examples with nothing to learn")
+    kept = tokenized.filter(has_loss_tokens, desc="Dropping examples with nothing to learn")
+    if kept.num_rows < tokenized.num_rows:
+        logger.warning(
+            "Skipped %d of %d examples that keep no token to learn within --max_seq_length %s (the prompt fills it).",
+            tokenized.num_rows - kept.num_rows,
+            tokenized.num_rows,
+            max_seq_length,
+        )
+    return kept
 
 
 def has_loss_tokens(example: dict[str, list[int]]) -> bool:
@@ -304,6 +363,25 @@ def attention_projections(model: PreTrainedModel) -> list[str]:
     return [name for name in ATTENTION_PROJECTIONS if name in names]
 
 
+def check_target_modules(model: PreTrainedModel, targets: Sequence[str] | str) -> None:
+    """Every `--lora_target_modules` name must match a layer: PEFT refuses only when none does, and silently
+    leaves out the others (a misspelt `v_prj` next to `q_proj` trains without its adapter)."""
+    if isinstance(targets, str):  # a regular expression, which PEFT matches against the full names itself
+        return
+    modules = dict(model.named_modules())
+    unknown = [
+        target for target in targets if not any(name == target or name.endswith(f".{target}") for name in modules)
+    ]
+    if unknown:
+        available = sorted(
+            {name.rsplit(".", 1)[-1] for name, module in modules.items() if isinstance(module, LORA_LAYERS)}
+        )
+        raise FineTuningError(
+            f"--lora_target_modules: {type(model).__name__} has no module named {', '.join(map(repr, unknown))}. "
+            f"Its layers that LoRA can adapt: {' '.join(available)}."
+        )
+
+
 def add_lora(model: PreTrainedModel, config: LoraConfig) -> PeftModel:
     """Wrap `model` with trainable LoRA adapters, checking that the attention flags survive the wrapping.
 
@@ -312,6 +390,8 @@ def add_lora(model: PreTrainedModel, config: LoraConfig) -> PeftModel:
     """
     if config.target_modules is None:
         config.target_modules = set(attention_projections(model))
+    else:
+        check_target_modules(model, config.target_modules)
     generation_config = model.generation_config
     flags = attention_flags_of(generation_config)
     try:
@@ -322,6 +402,32 @@ def add_lora(model: PreTrainedModel, config: LoraConfig) -> PeftModel:
     if base_config is not generation_config or attention_flags_of(base_config) != flags:
         raise RuntimeError("PEFT replaced the base model's generation config: the attention flags would be lost.")
     return peft_model
+
+
+# --- training ---------------------------------------------------------------------------------------------------
+
+
+class NonFiniteLossError(RuntimeError):
+    """The training loss became nan or inf: the weights are no longer worth saving."""
+
+    def __init__(self, step: int, loss: float) -> None:
+        super().__init__(f"the training loss is {loss} at step {step}")
+        self.step = step
+        self.loss = loss
+
+
+class FiniteLossTrainer(Trainer):
+    """A Trainer that stops at the first non-finite training loss, before the optimizer applies that step.
+
+    transformers' `logging_nan_inf_filter` (on by default) replaces such losses in the logs by the mean so far, so
+    a diverged run otherwise finishes, reports a plausible loss and saves a nan adapter.
+    """
+
+    def training_step(self, model, inputs, num_items_in_batch=None) -> torch.Tensor:
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        if not torch.isfinite(loss).all():
+            raise NonFiniteLossError(self.state.global_step + 1, float(loss.detach().float().cpu()))
+        return loss
 
 
 # --- results ----------------------------------------------------------------------------------------------------

@@ -32,9 +32,10 @@ from transformers.tokenization_utils_base import BatchEncoding
 
 from ..transformers.cache import BucketedStaticCache
 from ..transformers.generation import GaudiGenerationConfig
+from ..utils.atomic import atomic_write_text
 from ..utils.devices import DEVICE_CHOICES, default_dtype, resolve_device, synchronize
 from ..version import __version__
-from .arguments import AttentionArguments
+from .arguments import AttentionArguments, check_finite_numbers, check_seed
 
 
 # Prompts of different lengths, so that a batch of several is padded. The first one is Optimum-Habana's default.
@@ -227,6 +228,12 @@ class ExecutionArguments:
 class OutputArguments:
     _argument_group_name = "output"
 
+    overwrite_output_dir: bool = field(
+        default=False,
+        metadata={
+            "help": "Replace the files of an earlier run in --output_dir (otherwise a non-empty one is refused)."
+        },
+    )
     explain: bool = field(
         default=False,
         metadata={
@@ -308,12 +315,8 @@ def validate_arguments(arguments: ScriptArguments) -> None:
             raise ValueError(f"--{name} must be at least 1, got {value}.")
     if execution.warmup < 0:
         raise ValueError(f"--warmup must be 0 or more, got {execution.warmup}.")
-    for group in (workload, execution):
-        for name, value in dataclasses.asdict(group).items():
-            if isinstance(value, float) and not math.isfinite(value):
-                raise ValueError(f"--{name} must be a finite number, got {value}.")
-    if not 0 <= workload.seed < 2**32:
-        raise ValueError(f"--seed must be in [0, 2**32 - 1], got {workload.seed}.")
+    check_finite_numbers(workload, execution)
+    check_seed(workload.seed)
     sources = [name for name in ("prompt", "prompt_file", "book_source") if getattr(workload, name)]
     if len(sources) > 1:
         raise ValueError(f"--{sources[0]} and --{sources[1]} both give the prompt: choose one.")
@@ -730,14 +733,6 @@ def optimum_habana_results(stats: dict[str, Any], prompts: Sequence[str], texts:
     }
 
 
-def is_out_of_memory(error: BaseException) -> bool:
-    """A failed allocation: torch's own error on CUDA/HPU, MemoryError, or the CPU allocator's RuntimeError."""
-    if isinstance(error, torch.OutOfMemoryError | MemoryError):
-        return True
-    message = str(error).lower()
-    return isinstance(error, RuntimeError) and ("out of memory" in message or "can't allocate memory" in message)
-
-
 def apply_peft_adapter(model: Any, adapter_dir: str) -> Any:
     """Merge a LoRA adapter into the model: the result is the same model class, with no PEFT wrapper at run time."""
     folder = Path(adapter_dir).expanduser()
@@ -841,8 +836,5 @@ def environment_versions() -> dict[str, str]:
 
 
 def write_results(output_dir: str | Path, results: dict[str, Any]) -> Path:
-    """`results.json` in `output_dir` (created if needed)."""
-    path = Path(output_dir) / RESULTS_FILENAME
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(results, indent=2, default=str) + "\n")
-    return path
+    """`results.json` in `output_dir`, written atomically: a killed run leaves the earlier file (or none)."""
+    return atomic_write_text(Path(output_dir) / RESULTS_FILENAME, json.dumps(results, indent=2, default=str) + "\n")

@@ -99,6 +99,9 @@ def gaudi_attention_forward(
                     valid_sequence_lengths,
                     padding_side,
                 )
+                masked = fully_masked_queries(attention_mask)
+                if masked is not None:
+                    output = output.masked_fill(masked, 0.0)
                 return output.transpose(1, 2).contiguous(), None
             except FusedSDPAUnavailable as error:
                 reason = str(error)
@@ -214,10 +217,28 @@ def matmul_softmax_attention(
             scores = scores + attention_mask
 
     probabilities = nn.functional.softmax(scores, dim=-1, dtype=softmax_dtype).to(query.dtype)
+    masked = fully_masked_queries(attention_mask)
+    if masked is not None:
+        probabilities = probabilities.masked_fill(masked, 0.0)
     probabilities = nn.functional.dropout(probabilities, p=dropout, training=dropout > 0.0)
     output = torch.matmul(probabilities, value.unsqueeze(2))
     output = output.view(batch, heads, q_len, -1).transpose(1, 2).contiguous()
     return output, probabilities.view(batch, heads, q_len, kv_len)
+
+
+def fully_masked_queries(attention_mask: torch.Tensor | None) -> torch.Tensor | None:
+    """True (shape `[..., q, 1]`) for the query positions whose mask lets them attend to no key at all.
+
+    Such a position (left padding, or every position of a row whose attention mask is all zeros) gets a zero
+    attention output on both paths, which is what PyTorch's fused SDPA returns for it: the softmax of a fully
+    masked row would otherwise average the values uniformly on one path and give 0 (or NaN) on another. Real
+    tokens never attend to these positions, so only their own, meaningless, outputs are set.
+    """
+    if attention_mask is None:
+        return None
+    if attention_mask.dtype == torch.bool:
+        return ~attention_mask.any(dim=-1, keepdim=True)
+    return (attention_mask <= torch.finfo(attention_mask.dtype).min).all(dim=-1, keepdim=True)
 
 
 class AttentionConfigView:

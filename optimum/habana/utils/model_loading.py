@@ -15,11 +15,13 @@ tensor (~15-20 s and ~1.5 GB of RAM for the default model) while the saved float
 second. Converted checkpoints live under ``cache_root()/gguf/<first 16 hex digits of the file's sha256>``.
 """
 
-import hashlib
+import atexit
+import contextlib
 import importlib.util
 import logging
 import os
 import shutil
+import struct
 import tempfile
 import time
 from dataclasses import dataclass
@@ -28,6 +30,10 @@ from pathlib import Path
 import gguf
 import platformdirs
 from huggingface_hub import snapshot_download
+
+from . import cache_manifest
+from .atomic import current_umask
+from .staging import STAGING_SUFFIX, make_staging_folder, remove_stale_staging
 
 
 logger = logging.getLogger(__name__)
@@ -49,9 +55,10 @@ SUPPORTED_GGUF_ARCHITECTURES = (
     "gemma2",
 )
 
-# Written last into a converted checkpoint: a cache folder without it is not trusted.
-_COMPLETE_MARKER = ".complete"
-_HASH_CHUNK_BYTES = 1 << 20
+# Staging folders of conversions in progress, next to the cache entries; older versions named them
+# ".<key>-<random>.tmp" without the pid, so those are removed once older than a conversion can take.
+_STAGING_PREFIX = "."
+_LEGACY_STAGING_MAX_AGE_S = 6 * 3600
 # Only what from_pretrained needs for the model and the tokenizer, not the other weight formats a repo may hold.
 _HUB_ALLOW_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt"]
 # Seconds to wait for the hub's metadata answer, so that an unreachable hub fails fast.
@@ -155,13 +162,21 @@ def _looks_like_path(value: str) -> bool:
 def _cached_gguf_checkpoint(gguf_path: Path) -> tuple[Path, bool]:
     """The cached checkpoint converted from ``gguf_path``, converting it first if needed; also whether it converted.
 
-    The checkpoint is written into a temporary sibling folder and renamed into place at the end, so an interrupted
-    conversion never leaves a half-written cache folder behind.
+    A cached checkpoint is used only once it verifies against its manifest (see ``cache_manifest``); a damaged or
+    incomplete one is reported in one line and converted again. The conversion is written into a staging folder
+    and renamed into place at the end, so an interrupted conversion never leaves a half-written cache folder, and
+    the staging folders of killed conversions are removed by later runs. When the cache cannot be written, the
+    conversion goes to a private temporary folder for this process only.
     """
     digest = _sha256(gguf_path)
-    target = cache_root() / "gguf" / digest[:16]
-    if _is_complete(target):
+    root = cache_root()
+    target = root / "gguf" / digest[:16]
+    remove_stale_staging(target.parent, _STAGING_PREFIX, legacy_max_age_s=_LEGACY_STAGING_MAX_AGE_S)
+    problem = cache_manifest.verify(target)
+    if problem is None:
         return target, False
+    if problem != cache_manifest.ABSENT:
+        logger.warning("The cached model %s is damaged or incomplete (%s); converting it again.", target, problem)
 
     # Checked only before converting: a complete cache folder has passed this check already.
     architecture = _gguf_architecture(gguf_path)
@@ -171,18 +186,52 @@ def _cached_gguf_checkpoint(gguf_path: Path) -> tuple[Path, bool]:
             f"architectures: {', '.join(SUPPORTED_GGUF_ARCHITECTURES)}. {_HINT}"
         )
 
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", suffix=".tmp", dir=target.parent))
     try:
-        logger.info("Converting %s to a transformers checkpoint in %s (done once, ~20 s)", gguf_path, target)
-        start = time.perf_counter()
-        _convert_gguf(gguf_path, staging)
-        (staging / _COMPLETE_MARKER).write_text(f"{digest}  {gguf_path.name}\n")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        staging = make_staging_folder(target.parent, _STAGING_PREFIX)
+    except OSError as error:
+        return _private_conversion(gguf_path, digest, root, error), True
+    try:
+        _convert_into(gguf_path, digest, staging, target)
         _move_into_place(staging, target)
-        logger.info("Converted %s in %.1f s", gguf_path.name, time.perf_counter() - start)
     finally:
         shutil.rmtree(staging, ignore_errors=True)  # nothing left to remove once the rename succeeded
     return target, True
+
+
+def _convert_into(gguf_path: Path, digest: str, staging: Path, target: Path) -> None:
+    """Convert into ``staging`` and record its manifest there, written last: a folder without one is not trusted."""
+    logger.info("Converting %s to a transformers checkpoint in %s (done once, ~20 s)", gguf_path, target)
+    start = time.perf_counter()
+    try:
+        _convert_gguf(gguf_path, staging)
+    except (ValueError, KeyError, IndexError, OSError, struct.error) as error:
+        detail = (str(error).strip().splitlines() or [""])[0]
+        raise ModelResolutionError(
+            f"The GGUF file {str(gguf_path)!r} could not be converted ({type(error).__name__}: {detail}); it may be "
+            f"damaged or truncated. {_HINT}"
+        ) from error
+    _follow_umask(staging)
+    cache_manifest.write(staging, source=f"{digest}  {gguf_path.name}")
+    logger.info("Converted %s in %.1f s", gguf_path.name, time.perf_counter() - start)
+
+
+def _private_conversion(gguf_path: Path, digest: str, root: Path, error: OSError) -> Path:
+    """Convert into a temporary folder of this process, removed at exit, when the cache cannot be written."""
+    folder = Path(tempfile.mkdtemp(prefix="optimum-habana-gguf-"))
+    atexit.register(shutil.rmtree, folder, True)
+    reason = error.strerror or type(error).__name__
+    logger.warning(
+        "The model cache %s cannot be written (%s: %s); converting into the private temporary folder %s for this "
+        "run only. Set %s to a folder you can write to so that the conversion is kept.",
+        root,
+        reason,
+        error.filename or root,
+        folder,
+        CACHE_ENV_VAR,
+    )
+    _convert_into(gguf_path, digest, folder, folder)
+    return folder
 
 
 def _convert_gguf(gguf_path: Path, output_dir: Path) -> None:
@@ -204,27 +253,31 @@ def _convert_gguf(gguf_path: Path, output_dir: Path) -> None:
 
 def _move_into_place(staging: Path, target: Path) -> None:
     """Rename the finished ``staging`` folder to ``target``, tolerating another process that finished first."""
-    if target.exists() and not _is_complete(target):
-        shutil.rmtree(target)  # a folder we did not finish writing: never trusted
+    if target.exists() and cache_manifest.verify(target) is not None:
+        # A damaged or incomplete folder: renamed aside first (atomic), so no reader ever sees it half-deleted.
+        discarded = target.parent / f"{staging.name.removesuffix(STAGING_SUFFIX)}-discarded{STAGING_SUFFIX}"
+        with contextlib.suppress(FileNotFoundError):  # another process discarded it first
+            os.replace(target, discarded)
+        shutil.rmtree(discarded, ignore_errors=True)
     try:
         os.replace(staging, target)
     except OSError:
         # The rename fails when ``target`` is a non-empty folder: a concurrent conversion of the same file won.
-        if not _is_complete(target):
+        if cache_manifest.verify(target) is not None:
             raise
 
 
-def _is_complete(folder: Path) -> bool:
-    return (folder / "config.json").is_file() and (folder / _COMPLETE_MARKER).is_file()
+def _follow_umask(folder: Path) -> None:
+    """Give the converted files the permissions the user's umask gives new files (some writers use 0600)."""
+    umask = current_umask()
+    os.chmod(folder, 0o777 & ~umask)
+    for path in folder.rglob("*"):
+        os.chmod(path, (0o777 if path.is_dir() else 0o666) & ~umask)
 
 
 def _sha256(path: Path) -> str:
     """The file's sha256, read in chunks so that large GGUF files do not have to fit in memory."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as file:
-        while chunk := file.read(_HASH_CHUNK_BYTES):
-            digest.update(chunk)
-    return digest.hexdigest()
+    return cache_manifest.file_sha256(path)
 
 
 def _gguf_architecture(gguf_path: Path) -> str:
@@ -232,7 +285,9 @@ def _gguf_architecture(gguf_path: Path) -> str:
     try:
         reader = gguf.GGUFReader(gguf_path)
     except (ValueError, OSError) as error:
-        raise ModelResolutionError(f"{str(gguf_path)!r} is not a valid GGUF file ({error}). {_HINT}") from error
+        raise ModelResolutionError(
+            f"{str(gguf_path)!r} is not a valid GGUF file, or it is truncated or damaged ({error}). {_HINT}"
+        ) from error
     field = reader.get_field("general.architecture")
     return "unknown" if field is None else str(field.contents())
 

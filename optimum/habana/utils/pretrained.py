@@ -10,6 +10,10 @@ from ..transformers.models import GAUDI_CAUSAL_LM_CLASSES, supported_model_types
 from .model_loading import ModelResolutionError, ResolvedModel, resolve_model
 
 
+# Files from which AutoTokenizer builds a tokenizer; a checkpoint folder with none of them has no tokenizer.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
+
+
 @dataclass
 class LoadedModel:
     model: PreTrainedModel  # one of the Gaudi causal LMs
@@ -31,8 +35,28 @@ def load_model_and_tokenizer(
             f"{resolved.description} is a {model_type!r} model, which has no Gaudi class; supported model types: "
             f"{', '.join(supported_model_types())}."
         )
-    tokenizer = AutoTokenizer.from_pretrained(resolved.path)
+    tokenizer = load_tokenizer(resolved)
     model = model_class.from_pretrained(resolved.path, dtype=dtype).to(device).eval()
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return LoadedModel(model, tokenizer, resolved, time.perf_counter() - start)
+
+
+def load_tokenizer(resolved: ResolvedModel) -> PreTrainedTokenizerBase:
+    """The checkpoint's tokenizer; a folder without one is a ModelResolutionError naming the folder.
+
+    Without this check AutoTokenizer answers a folder that lacks tokenizer files with advice about sentencepiece
+    or hub repo ids, which misleads.
+    """
+    if not any((resolved.path / name).is_file() for name in TOKENIZER_FILES):
+        raise ModelResolutionError(
+            f"The checkpoint folder {str(resolved.path)!r} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}). "
+            "Save the tokenizer beside the model with tokenizer.save_pretrained(folder)."
+        )
+    try:
+        return AutoTokenizer.from_pretrained(resolved.path)
+    except (OSError, ValueError, TypeError) as error:
+        detail = (str(error).strip().splitlines() or [""])[0]
+        raise ModelResolutionError(
+            f"The tokenizer files in {str(resolved.path)!r} cannot be loaded ({type(error).__name__}: {detail})."
+        ) from error

@@ -1,0 +1,186 @@
+"""A run's output folder: never overwritten unasked, checked writable before anything loads, resumed from its last
+complete checkpoint, and filled with whole files only.
+
+Final files are written into a staging folder inside the output folder and then moved into place one by one with
+`os.replace`: a run killed at any point leaves every file either as the earlier run wrote it or as this run did.
+Staging folders of killed runs are removed by the next run (see `optimum.habana.utils.staging`).
+"""
+
+import contextlib
+import json
+import logging
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+from ..utils.atomic import current_umask
+from ..utils.staging import make_staging_folder, remove_stale_staging
+
+
+logger = logging.getLogger(__name__)
+
+STAGING_PREFIX = ".staging-"
+CHECKPOINT_PATTERN = re.compile(r"^checkpoint-(\d+)$")
+# Written last into a Trainer checkpoint (Trainer._save_checkpoint): a checkpoint folder without it is incomplete.
+TRAINER_STATE_NAME = "trainer_state.json"
+TRUE_VALUES = {"true", "1", "yes"}
+FALSE_VALUES = {"false", "0", "no", ""}
+
+
+class OutputDirError(ValueError):
+    """An output folder or checkpoint that cannot be used as asked; the message names the flag and what to do."""
+
+
+def prepare_output_dir(output_dir: str, *, overwrite: bool, resuming: bool) -> Path:
+    """Create `output_dir` if needed and check that it can be written and may be written to.
+
+    A folder that holds anything (other than staging folders of killed runs) is refused unless the user said
+    `--overwrite_output_dir` or `--resume_from_checkpoint`: an earlier run's adapter is never replaced silently.
+    """
+    path = Path(output_dir).expanduser()
+    if path.exists() and not path.is_dir():
+        raise OutputDirError(f"--output_dir {output_dir!r} is a file, not a folder; pass a folder.")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as error:
+        raise OutputDirError(
+            f"--output_dir {output_dir!r} cannot be written ({error.strerror or error}); pass a folder you can write to."
+        ) from None
+    for stale in remove_stale_staging(path, STAGING_PREFIX):
+        logger.info("Removed %s, left by a killed run.", stale)
+    contents = sorted(entry.name for entry in path.iterdir() if not entry.name.startswith(STAGING_PREFIX))
+    if contents and not (overwrite or resuming):
+        listed = ", ".join(contents[:5]) + (f" and {len(contents) - 5} more" if len(contents) > 5 else "")
+        raise OutputDirError(
+            f"--output_dir {output_dir!r} is not empty ({listed}): refusing to overwrite an earlier run. Pass "
+            "--overwrite_output_dir to replace its files, --resume_from_checkpoint True to continue from its last "
+            "checkpoint, or another --output_dir."
+        )
+    return path
+
+
+def parse_resume_value(value: str | None) -> str | bool | None:
+    """`--resume_from_checkpoint` as transformers users write it: True/False, or a checkpoint path."""
+    if value is None:
+        return None
+    if value.strip().lower() in TRUE_VALUES:
+        return True
+    if value.strip().lower() in FALSE_VALUES:
+        return None
+    return value
+
+
+def resolve_checkpoint(value: str | bool | None, output_dir: Path) -> Path | None:
+    """The checkpoint folder to resume from: True means the last complete `checkpoint-N` in `output_dir`."""
+    if value is None:
+        return None
+    if value is True:
+        checkpoint = last_complete_checkpoint(output_dir, remove_incomplete=True)
+        if checkpoint is None:
+            raise OutputDirError(
+                f"--resume_from_checkpoint True: {output_dir} holds no complete checkpoint-N folder to resume from. "
+                "Checkpoints are saved with --save_strategy steps --save_steps N (or epoch); pass a checkpoint "
+                "folder, or leave the flag out to start afresh."
+            )
+        return checkpoint
+    checkpoint = Path(value).expanduser()
+    if not checkpoint.is_dir():
+        raise OutputDirError(
+            f"--resume_from_checkpoint {value!r} is not a folder; pass a checkpoint-N folder or True."
+        )
+    problem = checkpoint_problem(checkpoint)
+    if problem is not None:
+        raise OutputDirError(f"--resume_from_checkpoint {value!r} cannot be resumed from: {problem}.")
+    return checkpoint
+
+
+def checkpoints(output_dir: Path) -> list[Path]:
+    """The `checkpoint-N` folders, by step."""
+    found = [entry for entry in output_dir.iterdir() if CHECKPOINT_PATTERN.match(entry.name) and entry.is_dir()]
+    return sorted(found, key=lambda entry: int(CHECKPOINT_PATTERN.match(entry.name).group(1)))
+
+
+def checkpoint_problem(checkpoint: Path) -> str | None:
+    """Why the Trainer could not resume from this folder, or None when it is complete."""
+    state = checkpoint / TRAINER_STATE_NAME
+    if not state.is_file():
+        return f"it has no {TRAINER_STATE_NAME} (the run saving it was killed before it finished)"
+    try:
+        json.loads(state.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        return f"{state} is damaged ({error})"
+    return None
+
+
+def last_complete_checkpoint(output_dir: Path, remove_incomplete: bool = False) -> Path | None:
+    """The last checkpoint the Trainer finished writing; with `remove_incomplete`, later incomplete ones are
+    reported and removed.
+
+    Removal is for resuming only, i.e. when the user said the folder is theirs to continue: a checkpoint folder
+    without its trainer state is what a run killed while saving leaves, and nothing can resume from it.
+    """
+    for checkpoint in reversed(checkpoints(output_dir)):
+        problem = checkpoint_problem(checkpoint)
+        if problem is None:
+            return checkpoint
+        if remove_incomplete:
+            logger.warning("Removing the incomplete checkpoint %s: %s.", checkpoint, problem)
+            shutil.rmtree(checkpoint, ignore_errors=True)
+    return None
+
+
+def remove_incomplete_checkpoints(output_dir: Path, keep: set[str]) -> list[Path]:
+    """Remove the checkpoint folders not in `keep` that are incomplete: what an interrupted run was writing."""
+    removed = []
+    for checkpoint in checkpoints(output_dir):
+        if checkpoint.name not in keep and checkpoint_problem(checkpoint) is not None:
+            shutil.rmtree(checkpoint, ignore_errors=True)
+            removed.append(checkpoint)
+    return removed
+
+
+@contextlib.contextmanager
+def publishing(output_dir: Path) -> Iterator[Path]:
+    """A staging folder to write final files into; on success each is moved into `output_dir` atomically.
+
+    On any exception (Ctrl-C included) nothing is moved and the staging folder is removed.
+    """
+    staging = make_staging_folder(output_dir, STAGING_PREFIX)
+    try:
+        yield staging
+        publish(staging, output_dir)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def publish(staging: Path, output_dir: Path) -> None:
+    """Move every file of `staging` to the same place under `output_dir`, each with a durable atomic rename.
+
+    The files get the permissions the user's umask gives (some writers, safetensors among them, create 0600 files).
+    """
+    mode = 0o666 & ~current_umask()
+    for source in sorted(path for path in staging.rglob("*") if path.is_file()):
+        destination = output_dir / source.relative_to(staging)
+        destination.parent.mkdir(parents=True, exist_ok=True)
+        with open(source, "rb") as file:
+            os.fsync(file.fileno())
+        os.chmod(source, mode)
+        os.replace(source, destination)
+
+
+__all__ = [
+    "OutputDirError",
+    "checkpoints",
+    "last_complete_checkpoint",
+    "parse_resume_value",
+    "prepare_output_dir",
+    "publish",
+    "publishing",
+    "remove_incomplete_checkpoints",
+    "resolve_checkpoint",
+]

@@ -1,0 +1,60 @@
+"""Atomic file writes: a reader, or a run killed half-way, sees the old file or the new one, never a mix.
+
+The data goes to a temporary file in the destination's own folder (a rename is atomic only within one file
+system), is flushed to disk, and then replaces the destination with `os.replace`. A destination that is a symbolic
+link is replaced by the new file: the link's target, which may be someone else's file, is never written through.
+The new file gets the permissions the user's umask gives, like any file `open(path, "w")` creates.
+"""
+
+import contextlib
+import os
+import tempfile
+from pathlib import Path
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
+    """Write `data` to `path` atomically; returns the path written."""
+    path = Path(path)
+    descriptor, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(descriptor, "wb") as file:
+            file.write(data)
+            file.flush()
+            os.fsync(file.fileno())
+        os.chmod(temporary, 0o666 & ~current_umask())  # mkstemp creates 0600
+        os.replace(temporary, path)
+    except BaseException:  # KeyboardInterrupt included: never leave the temporary file behind
+        with contextlib.suppress(OSError):
+            os.unlink(temporary)
+        raise
+    _fsync_folder(path.parent)
+    return path
+
+
+def atomic_write_text(path: str | os.PathLike, text: str, encoding: str = "utf-8") -> Path:
+    """Write `text` to `path` atomically; returns the path written."""
+    return atomic_write_bytes(path, text.encode(encoding))
+
+
+def current_umask() -> int:
+    """The process's umask, read without changing it where Linux tells it (/proc), else set and restored."""
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def _fsync_folder(folder: Path) -> None:
+    """Make the rename itself durable; some file systems (and all of Windows) cannot open a folder: skip there."""
+    with contextlib.suppress(OSError):
+        descriptor = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(descriptor)
+        finally:
+            os.close(descriptor)
+
+
+__all__ = ["atomic_write_bytes", "atomic_write_text", "current_umask"]
