@@ -548,9 +548,34 @@ def bad_model_inputs(tiny_checkpoint: Path, folder: Path) -> dict[str, tuple[lis
         "chat without a template": (["--model_name_or_path", str(no_template), "--chat"], "no chat template"),
         "missing adapter": (
             ["--model_name_or_path", str(tiny_checkpoint), "--peft_model", str(folder / "nothing")],
-            "is not a PEFT adapter folder",
+            "is not a folder",
         ),
+        **bad_adapters(tiny_checkpoint, folder),
     }
+
+
+def bad_adapters(tiny_checkpoint: Path, folder: Path) -> dict[str, tuple[list[str], str]]:
+    """A junk config, a folder without weights, and an adapter trained on another base model."""
+    from peft import LoraConfig, get_peft_model
+
+    cases = {}
+    junk, no_weights, other_base = folder / "junk_adapter", folder / "no_weights", folder / "other_base"
+    if not junk.exists():
+        junk.mkdir()
+        (junk / "adapter_config.json").write_text("{not json")
+        torch.manual_seed(0)
+        wider = GaudiLlamaForCausalLM(tiny_config("llama", hidden_size=96, num_attention_heads=4, vocab_size=300))
+        get_peft_model(wider, LoraConfig(r=4, target_modules=["q_proj", "v_proj"])).save_pretrained(other_base)
+        shutil.copytree(other_base, no_weights)
+        (no_weights / "adapter_model.safetensors").unlink()
+    for name, adapter, message in (
+        ("junk adapter config", junk, "adapter_config.json is not valid JSON"),
+        ("adapter without weights", no_weights, "but no weights"),
+        ("adapter of another base model", other_base, "does not fit this model"),
+    ):
+        argv = ["--model_name_or_path", str(tiny_checkpoint), "--max_new_tokens", "4", "--peft_model", str(adapter)]
+        cases[name] = (argv, message)
+    return cases
 
 
 def test_bad_models_are_usage_errors(script, tiny_checkpoint, tmp_path, capsys):

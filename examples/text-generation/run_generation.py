@@ -20,6 +20,7 @@ from collections.abc import Sequence
 import torch
 
 from optimum.habana import hpu
+from optimum.habana.example_support.adapters import check_adapter_folder
 from optimum.habana.example_support.explain import explain
 from optimum.habana.example_support.failures import exit_on_interrupt_or_oom
 from optimum.habana.example_support.outputs import prepare_output_dir
@@ -72,6 +73,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             prepare_output_dir(
                 arguments.output.output_dir, overwrite=arguments.output.overwrite_output_dir, resuming=False
             )
+        if arguments.model.peft_model:  # the adapter's files, before the model loads; its fit to the model after
+            check_adapter_folder(arguments.model.peft_model, "--peft_model")
         device, dtype = resolve_execution(arguments)
         pool = prompt_pool(workload)
         for note in flag_notes(arguments, device, dtype):

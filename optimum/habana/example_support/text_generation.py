@@ -35,6 +35,7 @@ from ..transformers.generation import GaudiGenerationConfig
 from ..utils.atomic import atomic_write_text
 from ..utils.devices import DEVICE_CHOICES, default_dtype, resolve_device, synchronize
 from ..version import __version__
+from .adapters import check_adapter_folder, check_adapter_matches
 from .arguments import AttentionArguments, check_finite_numbers, check_seed
 
 
@@ -734,16 +735,16 @@ def optimum_habana_results(stats: dict[str, Any], prompts: Sequence[str], texts:
 
 
 def apply_peft_adapter(model: Any, adapter_dir: str) -> Any:
-    """Merge a LoRA adapter into the model: the result is the same model class, with no PEFT wrapper at run time."""
-    folder = Path(adapter_dir).expanduser()
-    if not (folder / "adapter_config.json").is_file():
-        raise ValueError(
-            f"--peft_model {adapter_dir!r} is not a PEFT adapter folder (no adapter_config.json). "
-            "Pass a folder written by PeftModel.save_pretrained."
-        )
+    """Merge a LoRA adapter into the model: the result is the same model class, with no PEFT wrapper at run time.
+
+    The folder and its fit to the model are checked first (AdapterError names the file and the problem): PEFT's
+    own errors for a junk config or mismatched shapes are tracebacks from deep inside it.
+    """
     from peft import PeftModel  # imported here: only this option needs it
 
-    return PeftModel.from_pretrained(model, str(folder)).merge_and_unload()
+    check_adapter_folder(adapter_dir, "--peft_model")
+    check_adapter_matches(adapter_dir, model, "--peft_model")
+    return PeftModel.from_pretrained(model, str(Path(adapter_dir).expanduser())).merge_and_unload()
 
 
 def decode_new_tokens(tokenizer: PreTrainedTokenizerBase, output: torch.Tensor, input_length: int) -> list[str]:
