@@ -16,7 +16,11 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from optimum.habana import supported_model_types
-from optimum.habana.example_support.distributed import ParallelArguments, validate_parallel_arguments
+from optimum.habana.example_support.distributed import (
+    ParallelArguments,
+    data_parallel_launch_problem,
+    validate_parallel_arguments,
+)
 from optimum.habana.transformers.models import GAUDI_CAUSAL_LM_CLASSES
 from optimum.habana.utils.distributed import (
     LaunchEnvironment,
@@ -289,3 +293,46 @@ def test_deepspeed_missing_says_how_to_install(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     with pytest.raises(ValueError, match="--use_deepspeed: DeepSpeed is not installed. `pip install deepspeed`"):
         validate_parallel_arguments(ParallelArguments(use_deepspeed=True), launch(2))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# run_lora_clm.py under torchrun: data parallel through the Trainer
+
+
+def first_step_loss(output_dir: Path) -> float:
+    history = json.loads((output_dir / "trainer_state.json").read_text())["log_history"]
+    return next(entry["loss"] for entry in history if entry.get("step") == 1 and "loss" in entry)
+
+
+def test_two_process_lora_matches_one_process_with_the_same_global_batch(
+    tiny_checkpoint, cache_dir, tmp_path, _one_torch_thread
+):
+    """Global batch 4: one process with 4 rows, or two with 2 each; the flag on in both.
+
+    The Trainer averages the loss over the tokens of all processes (average_tokens_across_devices), so the
+    two-process loss is that of the whole global batch, as in one process.
+    """
+    common = (
+        f"--model_name_or_path {tiny_checkpoint} --report_to none --save_strategy no --disable_tqdm True "
+        "--dataloader_pin_memory False --seed 0 --do_train --max_steps 1 --logging_steps 1 --learning_rate 1e-2 "
+        "--lora_dropout 0 --max_seq_length 64 --use_flash_attention --use_cpu"
+    ).split()
+    one, two = tmp_path / "one", tmp_path / "two"
+    load_script(RUN_LORA_CLM).main([*common, "--output_dir", str(one), "--per_device_train_batch_size", "4"])
+    result = torchrun(
+        [str(RUN_LORA_CLM), *common, "--output_dir", str(two), "--per_device_train_batch_size", "2"], cache_dir
+    )
+    assert result.returncode == 0, result.stderr[-5000:]
+    assert "2 processes (data parallel)" in result.stdout
+    assert abs(first_step_loss(two) - first_step_loss(one)) < 1e-4
+    metrics = json.loads((two / "train_results.json").read_text())
+    assert metrics["train_samples_per_second"] > 0
+    assert metrics["epoch"] == json.loads((one / "train_results.json").read_text())["epoch"]  # same samples seen
+
+
+def test_cpu_data_parallel_needs_use_cpu(monkeypatch):
+    """Without --use_cpu accelerate would leave each CPU process training alone on the same data."""
+    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda: None)
+    assert "add --use_cpu" in data_parallel_launch_problem(False, launch(2))
+    assert data_parallel_launch_problem(True, launch(2)) is None
+    assert data_parallel_launch_problem(False, launch(1)) is None

@@ -83,6 +83,20 @@ def validate_parallel_arguments(arguments: ParallelArguments, launch: LaunchEnvi
         raise ValueError("--use_deepspeed: DeepSpeed is not installed. `pip install deepspeed`, or drop the flag.")
 
 
+def data_parallel_launch_problem(use_cpu: bool, launch: LaunchEnvironment) -> str | None:
+    """Why the Trainer would not train data parallel over the processes launched, or None.
+
+    On a machine without accelerator, accelerate starts the process group but trains data parallel only with
+    --use_cpu: without it every process would train alone, on the same data.
+    """
+    if launch.is_distributed and distributed.accelerator_type() == "cpu" and not use_cpu:
+        return (
+            f"{launch.world_size} processes on a machine without accelerator: add --use_cpu, so that the Trainer "
+            "(accelerate) trains data parallel over them on the CPU."
+        )
+    return None
+
+
 def start(arguments: ParallelArguments, device: torch.device, launch: LaunchEnvironment) -> ParallelRun:
     """Check the launch against the devices and start the process group; one process needs neither."""
     if not launch.is_distributed:
