@@ -222,6 +222,23 @@ def test_only_rank_zero_prints(generation_runs):
     assert "rank 1 (cpu)" in stdout
 
 
+@pytest.mark.skipif(
+    importlib.util.find_spec("deepspeed") is None, reason="DeepSpeed is optional: pip install deepspeed"
+)
+def test_deepspeed_autotp_on_cpu_generates_the_single_process_texts(
+    generation_runs, tiny_checkpoint, cache_dir, tmp_path
+):
+    """--use_deepspeed on gloo: DeepSpeed's shared-memory all-reduce is switched off, the gloo group all-reduces."""
+    args = ["--model_name_or_path", str(tiny_checkpoint), "--max_new_tokens", "8", "--n_iterations", "1"]
+    args += [*GENERATION_WORKLOADS["padded-flash"], "--use_deepspeed", "--output_dir", str(tmp_path)]
+    result = torchrun([str(RUN_GENERATION), *args], cache_dir)
+    assert result.returncode == 0, result.stderr[-5000:]
+    two = json.loads((tmp_path / "results.json").read_text())
+    one = generation_runs["padded-flash"]["one"]
+    assert [text["output"] for text in two["texts"]] == [text["output"] for text in one["texts"]]
+    assert two["stats"]["parallel_strategy"] == "deepspeed"
+
+
 def test_heads_not_divisible_is_one_clear_error(tmp_path, cache_dir):
     """3 query heads over 2 processes: stopped before loading, one message (rank 0's), no traceback of ours."""
     folder = tmp_path / "three_heads"
