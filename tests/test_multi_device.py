@@ -239,6 +239,23 @@ def test_deepspeed_autotp_on_cpu_generates_the_single_process_texts(
     assert two["stats"]["parallel_strategy"] == "deepspeed"
 
 
+def test_tp_in_one_process_says_there_is_nothing_to_shard(tiny_checkpoint, tmp_path, capsys, _one_torch_thread):
+    script = load_script(RUN_GENERATION)
+    args = [
+        "--model_name_or_path",
+        str(tiny_checkpoint),
+        "--max_new_tokens",
+        "2",
+        "--warmup",
+        "0",
+        "--n_iterations",
+        "1",
+    ]
+    assert script.main([*args, "--parallel_strategy", "tp", "--output_dir", str(tmp_path)]) == 0
+    assert "--parallel_strategy tp with one process: nothing to shard" in capsys.readouterr().err
+    assert json.loads((tmp_path / "results.json").read_text())["stats"]["parallel_strategy"] == "none"
+
+
 def test_heads_not_divisible_is_one_clear_error(tmp_path, cache_dir):
     """3 query heads over 2 processes: stopped before loading, one message (rank 0's), no traceback of ours."""
     folder = tmp_path / "three_heads"

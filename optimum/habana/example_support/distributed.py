@@ -208,7 +208,7 @@ def format_run(run: ParallelRun) -> str:
 
 def format_rank_stats(stats: dict[str, Any]) -> str:
     """A line per rank: its memory and the size of its part of the model."""
-    lines = ["Per rank (memory as above; model size = this rank's shard):"]
+    lines = ["Per rank (memory measured as above; model size = this rank's part of the weights):"]
     for rank in stats["per_rank"]:
         lines.append(
             f"  rank {rank['rank']} ({rank['device']}): memory {_gb(rank['memory_allocated_bytes'])}, "

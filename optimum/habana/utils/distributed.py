@@ -79,8 +79,9 @@ def accelerator_type() -> str:
 def init_process_group(device: torch.device, launch: LaunchEnvironment) -> torch.device:
     """Start torch.distributed with the backend of `device` and bind this process to its own device.
 
-    Returns the device this process uses: `cuda:<local rank>` / `hpu:<local rank>`, or the CPU. transformers and
-    accelerate find the process group started and use it.
+    Returns the device this process uses: `cuda:<local rank>`, else `device` itself (the Gaudi runtime maps each
+    process to its card by local rank, as Optimum-Habana relies on). transformers and accelerate find the process
+    group started and use it.
     """
     backend = BACKENDS[device.type]
     if device.type == "cuda":
@@ -88,7 +89,6 @@ def init_process_group(device: torch.device, launch: LaunchEnvironment) -> torch
         torch.cuda.set_device(device)
     elif device.type == "hpu":
         hpu.register_hccl_backend()
-        device = torch.device("hpu", launch.local_rank)
     if not dist.is_initialized():
         dist.init_process_group(
             backend=backend,
