@@ -9,10 +9,13 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+from filelock import FileLock
 from transformers import AutoModelForCausalLM
 
 from optimum.habana import supported_model_types
@@ -60,6 +63,24 @@ def load_script(path: Path):
     return module
 
 
+def once_per_session(tmp_path_factory, name: str, produce: Callable[[Path], Any]) -> Any:
+    """`produce(folder)`, run once per test session and shared as JSON by the pytest-xdist workers.
+
+    pytest-xdist's documented recipe for expensive fixtures: without it, each worker that gets one of the tests
+    would start the same multi-process runs again.
+    """
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return produce(tmp_path_factory.mktemp(name))
+    shared = tmp_path_factory.getbasetemp().parent  # the session's folder, above every worker's own
+    result = shared / f"{name}.json"
+    with FileLock(f"{result}.lock"):
+        if not result.is_file():
+            folder = shared / name
+            folder.mkdir()
+            result.write_text(json.dumps(produce(folder)))
+        return json.loads(result.read_text())
+
+
 @pytest.fixture(scope="module")
 def cache_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("optimum_habana_cache")
@@ -86,18 +107,21 @@ def _one_torch_thread():
 @pytest.fixture(scope="module")
 def worker_results(tmp_path_factory, cache_dir) -> list[dict]:
     """Tiny checkpoints of every supported family (4 query / 2 key-value heads), compared in 2 processes."""
-    checkpoints = tmp_path_factory.mktemp("families")
-    for model_type in supported_model_types():
-        torch.manual_seed(0)
-        AutoModelForCausalLM.from_config(tiny_config(model_type)).save_pretrained(checkpoints / model_type)
-    gguf_folder = tmp_path_factory.mktemp("gguf")
-    write_gguf(gguf_folder / "model.gguf", "llama")
-    write_gguf(gguf_folder / "other.gguf", "gpt2")
-    output_dir = tmp_path_factory.mktemp("ranks")
-    arguments = ["-m", "tests.tensor_parallel_worker", str(checkpoints), str(gguf_folder), str(output_dir)]
-    result = torchrun(arguments, cache_dir)
-    assert result.returncode == 0, result.stderr[-5000:]
-    return [json.loads((output_dir / f"rank{rank}.json").read_text()) for rank in range(2)]
+
+    def produce(folder: Path) -> list[dict]:
+        for model_type in supported_model_types():
+            torch.manual_seed(0)
+            checkpoint = folder / "families" / model_type
+            AutoModelForCausalLM.from_config(tiny_config(model_type)).save_pretrained(checkpoint)
+        (folder / "gguf").mkdir()
+        write_gguf(folder / "gguf" / "model.gguf", "llama")
+        write_gguf(folder / "gguf" / "other.gguf", "gpt2")
+        arguments = ["-m", "tests.tensor_parallel_worker", *(str(folder / name) for name in ("families", "gguf", "."))]
+        result = torchrun(arguments, cache_dir)
+        assert result.returncode == 0, result.stderr[-5000:]
+        return [json.loads((folder / f"rank{rank}.json").read_text()) for rank in range(2)]
+
+    return once_per_session(tmp_path_factory, "tensor_parallel_worker", produce)
 
 
 @pytest.mark.parametrize("model_type", supported_model_types())
@@ -167,31 +191,27 @@ GENERATION_WORKLOADS = {
 @pytest.fixture(scope="module")
 def generation_runs(tiny_checkpoint, cache_dir, tmp_path_factory, _one_torch_thread) -> dict[str, dict]:
     """Each workload in one process (in this process) and in two (torchrun); their results.json files."""
-    script = load_script(RUN_GENERATION)
-    runs = {}
-    for name, workload in GENERATION_WORKLOADS.items():
-        args = [
-            "--model_name_or_path",
-            str(tiny_checkpoint),
-            "--max_new_tokens",
-            "8",
-            "--n_iterations",
-            "1",
-            *workload,
-        ]
-        one = tmp_path_factory.mktemp(f"{name}-one")
-        with pytest.MonkeyPatch.context() as patch:
-            patch.setenv(CACHE_ENV_VAR, str(cache_dir))
+
+    def produce(folder: Path) -> dict[str, dict]:
+        script = load_script(RUN_GENERATION)
+        runs = {}
+        for name, workload in GENERATION_WORKLOADS.items():
+            args = ["--model_name_or_path", str(tiny_checkpoint), "--max_new_tokens", "8", "--n_iterations", "1"]
+            args += workload
+            one, two = folder / f"{name}-one", folder / f"{name}-two"
             assert script.main([*args, "--output_dir", str(one)]) == 0
-        two = tmp_path_factory.mktemp(f"{name}-two")
-        result = torchrun([str(RUN_GENERATION), *args, "--output_dir", str(two)], cache_dir)
-        assert result.returncode == 0, result.stderr[-5000:]
-        runs[name] = {
-            "one": json.loads((one / "results.json").read_text()),
-            "two": json.loads((two / "results.json").read_text()),
-            "stdout": result.stdout,
-        }
-    return runs
+            result = torchrun([str(RUN_GENERATION), *args, "--output_dir", str(two)], cache_dir)
+            assert result.returncode == 0, result.stderr[-5000:]
+            runs[name] = {
+                "one": json.loads((one / "results.json").read_text()),
+                "two": json.loads((two / "results.json").read_text()),
+                "stdout": result.stdout,
+            }
+        return runs
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(CACHE_ENV_VAR, str(cache_dir))
+        return once_per_session(tmp_path_factory, "generation_runs", produce)
 
 
 @pytest.mark.parametrize("workload", GENERATION_WORKLOADS)
