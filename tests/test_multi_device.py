@@ -196,7 +196,16 @@ def generation_runs(tiny_checkpoint, cache_dir, tmp_path_factory, _one_torch_thr
         script = load_script(RUN_GENERATION)
         runs = {}
         for name, workload in GENERATION_WORKLOADS.items():
-            args = ["--model_name_or_path", str(tiny_checkpoint), "--max_new_tokens", "8", "--n_iterations", "1"]
+            args = [
+                "--model_name_or_path",
+                str(tiny_checkpoint),
+                "--max_new_tokens",
+                "8",
+                "--n_iterations",
+                "1",
+                "--warmup",
+                "0",
+            ]
             args += workload
             one, two = folder / f"{name}-one", folder / f"{name}-two"
             assert script.main([*args, "--output_dir", str(one)]) == 0
@@ -249,7 +258,16 @@ def test_deepspeed_autotp_on_cpu_generates_the_single_process_texts(
     generation_runs, tiny_checkpoint, cache_dir, tmp_path
 ):
     """--use_deepspeed on gloo: DeepSpeed's shared-memory all-reduce is switched off, the gloo group all-reduces."""
-    args = ["--model_name_or_path", str(tiny_checkpoint), "--max_new_tokens", "8", "--n_iterations", "1"]
+    args = [
+        "--model_name_or_path",
+        str(tiny_checkpoint),
+        "--max_new_tokens",
+        "8",
+        "--n_iterations",
+        "1",
+        "--warmup",
+        "0",
+    ]
     args += [*GENERATION_WORKLOADS["padded-flash"], "--use_deepspeed", "--output_dir", str(tmp_path)]
     result = torchrun([str(RUN_GENERATION), *args], cache_dir)
     assert result.returncode == 0, result.stderr[-5000:]
