@@ -203,9 +203,11 @@ def run(
         flags = finetuning.attention_flags_from(attention_args)
         check_arguments(data_args, generation_args, training_args)
         resume = outputs.parse_resume_value(training_args.resume_from_checkpoint)
-        output_dir = outputs.prepare_output_dir(
-            training_args.output_dir, overwrite=output_args.overwrite_output_dir, resuming=resume is not None
-        )
+        # Under torchrun one process at a time: another's write probe would make the folder look non-empty.
+        with training_args.main_process_first(desc="checking the output folder"):
+            output_dir = outputs.prepare_output_dir(
+                training_args.output_dir, overwrite=output_args.overwrite_output_dir, resuming=resume is not None
+            )
         progress.output_dir = output_dir
         checkpoint = outputs.resolve_checkpoint(resume, output_dir)
         if checkpoint is not None:

@@ -73,9 +73,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Everything that can still be a bad input (device, model, adapter, prompts) is checked before generating.
     try:
         distributed.validate_parallel_arguments(arguments.parallel, launch)
-        if (
-            arguments.output.output_dir and launch.is_main
-        ):  # checked now: a folder that cannot be written would lose the results
+        # Checked now: a folder that cannot be written would lose the results. Only rank 0 writes there.
+        if arguments.output.output_dir and launch.is_main:
             prepare_output_dir(
                 arguments.output.output_dir, overwrite=arguments.output.overwrite_output_dir, resuming=False
             )
