@@ -23,7 +23,8 @@ INSTALL_REQUIRES = [
 EXTRAS = {
     # What the scripts in examples/ and their support package `optimum.habana.example_support` need.
     "examples": ["datasets>=3", "peft>=0.17", "tqdm>=4.60", "tabulate>=0.9", "matplotlib>=3.8"],
-    "tests": ["pytest>=8", "pytest-xdist>=3", "ruff>=0.6"],
+    # filelock: tests/test_multi_device.py starts its multi-process runs once per session, even under xdist.
+    "tests": ["pytest>=8", "pytest-xdist>=3", "ruff>=0.6", "filelock>=3"],
 }
 
 setup(

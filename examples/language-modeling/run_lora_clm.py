@@ -35,10 +35,11 @@ from transformers import (
     set_seed,
 )
 
-from optimum.habana.example_support import adapters, failures, finetuning, outputs
+from optimum.habana.example_support import adapters, distributed, failures, finetuning, outputs
 from optimum.habana.example_support.arguments import AttentionArguments, check_finite_numbers, check_seed
 from optimum.habana.utils import devices
 from optimum.habana.utils.atomic import atomic_write_text
+from optimum.habana.utils.distributed import launch_environment
 from optimum.habana.utils.model_loading import ModelResolutionError
 from optimum.habana.utils.pretrained import load_model_and_tokenizer
 
@@ -202,9 +203,11 @@ def run(
         flags = finetuning.attention_flags_from(attention_args)
         check_arguments(data_args, generation_args, training_args)
         resume = outputs.parse_resume_value(training_args.resume_from_checkpoint)
-        output_dir = outputs.prepare_output_dir(
-            training_args.output_dir, overwrite=output_args.overwrite_output_dir, resuming=resume is not None
-        )
+        # Under torchrun one process at a time: another's write probe would make the folder look non-empty.
+        with training_args.main_process_first(desc="checking the output folder"):
+            output_dir = outputs.prepare_output_dir(
+                training_args.output_dir, overwrite=output_args.overwrite_output_dir, resuming=resume is not None
+            )
         progress.output_dir = output_dir
         checkpoint = outputs.resolve_checkpoint(resume, output_dir)
         if checkpoint is not None:
@@ -236,7 +239,9 @@ def run(
         set_seed(training_args.seed)
         dtype = resolve_dtype(model_args.torch_dtype, training_args)
         progress.phase = "loading the model"
-        loaded = load_model_and_tokenizer(model_args.model_name_or_path, dtype=dtype, device=training_args.device)
+        # Under torchrun the first process of each machine resolves (converts a .gguf once); the others then load.
+        with training_args.main_process_first(local=True, desc="loading the model"):
+            loaded = load_model_and_tokenizer(model_args.model_name_or_path, dtype=dtype, device=training_args.device)
         model, tokenizer = loaded.model, loaded.tokenizer
         # Before PEFT wraps the model: its forward reads the flags from here on every call.
         finetuning.set_attention_flags(model, flags)
@@ -357,6 +362,8 @@ def check_arguments(
         raise finetuning.FineTuningError(f"--max_new_tokens must be at least 1, got {generation_args.max_new_tokens}.")
     if not (training_args.do_train or training_args.do_eval or generation_args.generation_samples):
         raise finetuning.FineTuningError("Nothing to do: pass --do_train, --do_eval and/or --generation_samples N.")
+    if problem := distributed.data_parallel_launch_problem(training_args.use_cpu, launch_environment()):
+        raise finetuning.FineTuningError(problem)
 
 
 def write_metrics(folder: Path, split: str, split_metrics: dict[str, Any], run_metrics: dict[str, Any]) -> None:
@@ -439,6 +446,8 @@ def peak_memory_gb(device: torch.device) -> float:
 
 def summary(metrics: dict[str, Any], use_flash_attention: bool, training_args: TrainingArguments) -> str:
     parts = [f"use_flash_attention={use_flash_attention}"]
+    if training_args.world_size > 1:  # the Trainer's loss and samples/s cover every process; memory is rank 0's
+        parts.append(f"{training_args.world_size} processes (data parallel)")
     if "train_loss" in metrics:
         parts += [
             f"train loss {metrics['train_loss']:.4f}",

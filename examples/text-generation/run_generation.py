@@ -20,6 +20,7 @@ from collections.abc import Sequence
 import torch
 
 from optimum.habana import hpu
+from optimum.habana.example_support import distributed
 from optimum.habana.example_support.adapters import check_adapter_folder
 from optimum.habana.example_support.explain import explain
 from optimum.habana.example_support.failures import exit_on_interrupt_or_oom
@@ -51,11 +52,13 @@ from optimum.habana.example_support.text_generation import (
     write_results,
 )
 from optimum.habana.utils.devices import memory_stats, model_size_bytes, reset_peak_memory, total_memory
+from optimum.habana.utils.distributed import launch_environment
 from optimum.habana.utils.model_loading import ModelResolutionError
-from optimum.habana.utils.pretrained import load_model_and_tokenizer
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    launch = launch_environment()  # torchrun's RANK, WORLD_SIZE...: one process without a launcher
+    distributed.silence_other_ranks(launch)
     parser = build_parser()
     arguments = parse_arguments(parser, argv)
     workload, execution = arguments.workload, arguments.execution
@@ -69,7 +72,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     # Everything that can still be a bad input (device, model, adapter, prompts) is checked before generating.
     try:
-        if arguments.output.output_dir:  # checked now: a folder that cannot be written would lose the results
+        distributed.validate_parallel_arguments(arguments.parallel, launch)
+        # Checked now: a folder that cannot be written would lose the results. Only rank 0 writes there.
+        if arguments.output.output_dir and launch.is_main:
             prepare_output_dir(
                 arguments.output.output_dir, overwrite=arguments.output.overwrite_output_dir, resuming=False
             )
@@ -79,7 +84,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         pool = prompt_pool(workload)
         for note in flag_notes(arguments, device, dtype):
             print(f"Note: {note}", file=sys.stderr)
-        loaded = load_model_and_tokenizer(arguments.model.model_name_or_path, dtype=dtype, device=device)
+        run = distributed.start(arguments.parallel, device, launch)
+        device = run.device
+        loaded = distributed.load_model(arguments.model.model_name_or_path, dtype=dtype, run=run)
         model, tokenizer = loaded.model, loaded.tokenizer
         load_seconds = loaded.load_seconds
         max_positions = getattr(model.config, "max_position_embeddings", None)
@@ -100,6 +107,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         usage_error(parser, str(error))
 
     print(format_header(loaded.resolved.description, device, dtype, arguments), flush=True)
+    print(distributed.format_run(run), flush=True)
     if workload.max_input_tokens > 0 and max(prompt_lengths) > workload.max_input_tokens:
         print(f"Note: prompts longer than {workload.max_input_tokens} tokens keep their last tokens.", file=sys.stderr)
     if (execution.torch_compile or execution.use_hpu_graphs) and execution.warmup == 0:
@@ -138,6 +146,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             cache_supply=cache_supply,
         )
     memory = memory_stats(device)
+    model_size = model_size_bytes(model)
 
     outputs = decode_new_tokens(tokenizer, result.output, input_length)
     compiled = execution.torch_compile or execution.use_hpu_graphs
@@ -149,17 +158,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         "total_memory_bytes": total_memory(device),
         "kv_cache": kv_cache_layout(arguments, device).describe(cache_supply.max_cache_len),
         "kv_cache_allocations": cache_supply.allocations,
-        "model_size_bytes": model_size_bytes(model),
+        "model_size_bytes": model_size,
         "num_parameters": model.num_parameters(),
         "model_load_seconds": load_seconds,
         "gguf_converted": loaded.resolved.converted,
         "warmup_seconds": result.warmup_seconds,
         "compile_seconds": result.warmup_seconds if compiled and execution.warmup > 0 else None,
+        **distributed.rank_stats(run, memory, model_size),
     }
     print(format_texts(prompts, outputs))
     print(format_stats(stats, device), flush=True)
+    if run.strategy != "none":
+        print(distributed.format_rank_stats(stats), flush=True)
 
-    if arguments.output.output_dir:
+    if arguments.output.output_dir and run.is_main:
         real_lengths = inputs["attention_mask"].sum(dim=1).tolist()
         full_texts = tokenizer.batch_decode(result.output.cpu(), skip_special_tokens=True)
         results = {
@@ -185,6 +197,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         }
         path = write_results(arguments.output.output_dir, results)
         print(f"Results written to {path}")
+    distributed.finish(run)
     return 0
 
 

@@ -97,3 +97,17 @@ def wrap_in_hpu_graph(model: torch.nn.Module, prompt_in_graph: bool = True) -> t
 
         model.forward = forward
     return model
+
+
+def hpu_device_count() -> int:
+    """Gaudi cards visible to this process (0 without the Gaudi software)."""
+    try:
+        import habana_frameworks.torch.hpu as hthpu
+    except ImportError:
+        return 0
+    return int(hthpu.device_count())
+
+
+def register_hccl_backend() -> None:
+    """Importing Habana's distributed module registers the `hccl` backend with torch.distributed."""
+    import habana_frameworks.torch.distributed.hccl  # noqa: F401

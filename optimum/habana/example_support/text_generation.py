@@ -37,6 +37,7 @@ from ..utils.devices import DEVICE_CHOICES, default_dtype, resolve_device, synch
 from ..version import __version__
 from .adapters import check_adapter_folder, check_adapter_matches
 from .arguments import AttentionArguments, check_finite_numbers, check_seed
+from .distributed import ParallelArguments
 
 
 # Prompts of different lengths, so that a batch of several is padded. The first one is Optimum-Habana's default.
@@ -259,10 +260,11 @@ class ScriptArguments:
     workload: WorkloadArguments
     execution: ExecutionArguments
     output: OutputArguments
+    parallel: ParallelArguments
 
     def as_dict(self) -> dict[str, Any]:
         merged: dict[str, Any] = {}
-        for group in (self.model, self.attention, self.workload, self.execution, self.output):
+        for group in (self.model, self.attention, self.workload, self.execution, self.output, self.parallel):
             merged.update(dataclasses.asdict(group))
         return merged
 
@@ -270,7 +272,14 @@ class ScriptArguments:
 def build_parser() -> HfArgumentParser:
     """One argument group per dataclass; `--help` shows each argument's explanation and default."""
     parser = HfArgumentParser(
-        [ModelArguments, AttentionArguments, WorkloadArguments, ExecutionArguments, OutputArguments],
+        [
+            ModelArguments,
+            AttentionArguments,
+            WorkloadArguments,
+            ExecutionArguments,
+            OutputArguments,
+            ParallelArguments,
+        ],
         prog="run_generation.py",
         description="Generate text with a causal LM and measure throughput, first-token latency and memory, with "
         "the fused attention kernel (--use_flash_attention) or the default attention.",

@@ -9,6 +9,7 @@ import resource
 from pathlib import Path
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from .. import hpu
 
@@ -100,6 +101,14 @@ def _proc_status_bytes(field: str) -> int | None:
 
 
 def model_size_bytes(model: torch.nn.Module) -> int:
-    """Parameters and buffers, counted once each (tied weights share storage)."""
-    tensors = {t.data_ptr(): t for t in [*model.parameters(), *model.buffers()]}
+    """Parameters and buffers held by this process, counted once each (tied weights share storage).
+
+    A tensor-parallel model's parameters are DTensors: only the local shard counts, so each rank reports its part.
+    """
+    local = [_local_tensor(t) for t in [*model.parameters(), *model.buffers()]]
+    tensors = {t.data_ptr(): t for t in local}
     return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def _local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor

@@ -2,6 +2,7 @@
 
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from transformers import AutoConfig, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
@@ -23,9 +24,12 @@ class LoadedModel:
 
 
 def load_model_and_tokenizer(
-    model_name_or_path: str | None, *, dtype: torch.dtype, device: torch.device
+    model_name_or_path: str | None, *, dtype: torch.dtype, device: torch.device, **from_pretrained_kwargs: Any
 ) -> LoadedModel:
-    """Resolve, load and move to `device`; a family without a Gaudi class is a ModelResolutionError listing them."""
+    """Resolve, load and move to `device`; a family without a Gaudi class is a ModelResolutionError listing them.
+
+    `from_pretrained_kwargs` go to `from_pretrained` (e.g. `distributed_config` for tensor parallelism).
+    """
     start = time.perf_counter()
     resolved = resolve_model(model_name_or_path)
     model_type = AutoConfig.from_pretrained(resolved.path).model_type
@@ -36,7 +40,7 @@ def load_model_and_tokenizer(
             f"{', '.join(supported_model_types())}."
         )
     tokenizer = load_tokenizer(resolved)
-    model = model_class.from_pretrained(resolved.path, dtype=dtype).to(device).eval()
+    model = model_class.from_pretrained(resolved.path, dtype=dtype, **from_pretrained_kwargs).to(device).eval()
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return LoadedModel(model, tokenizer, resolved, time.perf_counter() - start)
