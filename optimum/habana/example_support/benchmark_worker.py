@@ -29,7 +29,7 @@ from .text_generation import timed_generate
 RESULT_MARKER = "BENCHMARK_RESULT "
 _OOM_MESSAGES = ("out of memory", "can't allocate memory", "cannot allocate memory", "allocation failed")
 # Virtual memory the process may add beyond the cap's budget without holding it (thread stacks, malloc arenas).
-_ADDRESS_SPACE_SLACK = 1 << 30
+_ADDRESS_SPACE_SLACK = 64 << 20
 
 
 def synthetic_batch(
