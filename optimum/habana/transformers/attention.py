@@ -17,7 +17,7 @@ from transformers import AttentionInterface, PreTrainedConfig
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from ..kernels.dispatch import FusedSDPAUnavailable, fused_sdpa, warn_once
-from .attention_flags import AttentionFlags, pop_attention_flags, resolve_attention_flags
+from .attention_flags import AttentionFlags, call_attention_flags
 
 
 ATTENTION_IMPLEMENTATION = "gaudi"
@@ -70,7 +70,7 @@ def gaudi_attention_forward(
     fused kernel then runs causally over the real tokens instead of reading a mask.
     Weights are returned by the default path only: the fused kernel never materialises them.
     """
-    flags = resolve_attention_flags(pop_attention_flags(kwargs))
+    flags = call_attention_flags(kwargs)
     unknown = set(kwargs) - IGNORED_ATTENTION_KWARGS
     if unknown:
         raise TypeError(
