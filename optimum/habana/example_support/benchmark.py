@@ -50,12 +50,12 @@ class BenchmarkArguments:
             f"{', '.join(PRESETS)} (real attention geometry, random weights, --preset_layers layers, reduced MLP).",
         },
     )
-    batch_sizes: list[int] = field(default_factory=lambda: [1, 4], metadata={"nargs": "+", "help": "Batch sizes."})
+    batch_sizes: list[int] = field(default_factory=lambda: [1, 8], metadata={"nargs": "+", "help": "Batch sizes."})
     max_input_tokens: list[int] = field(
         default_factory=lambda: [16, 512], metadata={"nargs": "+", "help": "Prompt lengths in tokens (random ids)."}
     )
     max_new_tokens: list[int] = field(
-        default_factory=lambda: [16, 128],
+        default_factory=lambda: [16, 64],
         metadata={"nargs": "+", "help": "Tokens generated per sequence (EOS suppressed: always exactly this many)."},
     )
     ragged: bool = field(
