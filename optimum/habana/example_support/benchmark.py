@@ -426,7 +426,8 @@ def plot_png(records: Sequence[dict[str, Any]]) -> bytes:
     groups: dict[tuple, list[dict[str, Any]]] = {}
     for record in records:
         groups.setdefault((record["model"], record["batch_size"], record["max_new_tokens"]), []).append(record)
-    for (model, batch, new), members in groups.items():
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for number, ((model, batch, new), members) in enumerate(groups.items()):
         members = sorted(members, key=lambda record: record["max_input_tokens"])
         for path, style in (("default", "--o"), ("flash", "-s"), ("floor", ":^")):
             points = [
@@ -436,19 +437,21 @@ def plot_png(records: Sequence[dict[str, Any]]) -> bytes:
             ]
             if not points:
                 continue
-            label = f"{model.split(' (')[0]}, BS {batch}, {new} new: {path}"
+            line = {
+                "color": colors[number % len(colors)],
+                "label": f"{model.split(' (')[0]}, BS {batch}, {new} new: {path}",
+            }
             tokens = [tokens for tokens, _ in points]
-            memory_axis.plot(tokens, [result["peak_memory_bytes"] / GB for _, result in points], style, label=label)
+            memory_axis.plot(tokens, [result["peak_memory_bytes"] / GB for _, result in points], style, **line)
             if path != "floor":
-                speed_axis.plot(
-                    tokens, [result["throughput_tokens_per_second"] for _, result in points], style, label=label
-                )
+                throughputs = [result["throughput_tokens_per_second"] for _, result in points]
+                speed_axis.plot(tokens, throughputs, style, **line)
     for axis, title in ((memory_axis, "Peak memory [GB]"), (speed_axis, "Throughput [tokens/s]")):
         axis.set_xscale("log", base=2)
         axis.set_xlabel("Input tokens")
         axis.set_title(title)
         axis.grid(True, alpha=0.3)
-    speed_axis.legend(fontsize=7)
+    memory_axis.legend(fontsize=7)
     figure.tight_layout()
     buffer = io.BytesIO()
     figure.savefig(buffer, format="png", dpi=90)
