@@ -122,12 +122,14 @@ def floor_attention(
     attention_mask: torch.Tensor | None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """No attention at all: each query position gets the V row of its own position (heads repeated for GQA)."""
-    groups = query.shape[1] // value.shape[1]
-    own = value[:, :, -query.shape[2] :]
-    if groups > 1:
-        own = own.repeat_interleave(groups, dim=1)
-    return own.transpose(1, 2).contiguous(), None
+    """No attention at all: each query position gets the V row of its own position (heads repeated for GQA).
+
+    One copy, the `[B, q, H, D]` output every attention function returns; nothing else is allocated.
+    """
+    batch, heads, q_len, head_dim = query.shape
+    own = value[:, :, -q_len:].transpose(1, 2).unsqueeze(3)  # [B, q, Hkv, 1, D], a view
+    groups = heads // value.shape[1]
+    return own.expand(batch, q_len, value.shape[1], groups, head_dim).reshape(batch, q_len, heads, head_dim), None
 
 
 def no_mask(*args: Any, **kwargs: Any) -> None:
