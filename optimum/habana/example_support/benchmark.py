@@ -459,6 +459,38 @@ def plot_png(records: Sequence[dict[str, Any]]) -> bytes:
     return buffer.getvalue()
 
 
+def write_results(
+    output_dir: Path,
+    arguments: BenchmarkArguments,
+    device: torch.device,
+    dtype: torch.dtype,
+    records: Sequence[dict[str, Any]],
+    kernel: dict[str, Any] | None,
+    complete: bool,
+) -> list[Path]:
+    """results.json, results.csv and, when complete and asked, the plot; each written atomically."""
+    table = table_rows(records, arguments)
+    report = {
+        "complete": complete,
+        "arguments": asdict(arguments),
+        "versions": environment_versions(),
+        "hardware": hardware(),
+        "device": device.type,
+        "dtype": str(dtype).removeprefix("torch."),
+        "memory_column": "device allocator peak" if device.type != "cpu" else "process peak resident memory",
+        "rows": list(records),
+        "table": table,
+        "attention_kernel": kernel,
+    }
+    write_atomically(output_dir / "results.json", json.dumps(report, indent=2) + "\n")
+    write_atomically(output_dir / "results.csv", csv_text(table))
+    written = [output_dir / name for name in RESULT_FILES]
+    if complete and arguments.plot:
+        write_atomically(output_dir / PLOT_FILE, plot_png(records))
+        written.append(output_dir / PLOT_FILE)
+    return written
+
+
 def run(arguments: BenchmarkArguments, parser: HfArgumentParser) -> int:
     try:
         device = resolve_device(arguments.device)
@@ -487,6 +519,8 @@ def run(arguments: BenchmarkArguments, parser: HfArgumentParser) -> int:
             results[path] = run_worker(row_task(row, path, arguments, device, dtype, budget), arguments.timeout)
             progress.update()
         records.append(summarize_row(row, results))
+        if output_dir:  # rows so far, so that an interrupted grid still leaves its measurements
+            write_results(output_dir, arguments, device, dtype, records, None, complete=False)
     kernel = None
     if arguments.attention_kernel_report:
         progress.set_postfix_str("attention kernel")
@@ -525,22 +559,6 @@ def run(arguments: BenchmarkArguments, parser: HfArgumentParser) -> int:
                     f"error in {record['model']} BS {record['batch_size']} {path}: {result['error']}", file=sys.stderr
                 )
     if output_dir:
-        report = {
-            "arguments": asdict(arguments),
-            "versions": environment_versions(),
-            "hardware": hardware(),
-            "device": device.type,
-            "dtype": str(dtype).removeprefix("torch."),
-            "memory_column": "device allocator peak" if device.type != "cpu" else "process peak resident memory",
-            "rows": records,
-            "table": table,
-            "attention_kernel": kernel,
-        }
-        write_atomically(output_dir / "results.json", json.dumps(report, indent=2) + "\n")
-        write_atomically(output_dir / "results.csv", csv_text(table))
-        written = [output_dir / name for name in RESULT_FILES]
-        if arguments.plot:
-            write_atomically(output_dir / PLOT_FILE, plot_png(records))
-            written.append(output_dir / PLOT_FILE)
+        written = write_results(output_dir, arguments, device, dtype, records, kernel, complete=True)
         print(f"\nWritten: {', '.join(str(path) for path in written)}")
     return 0
