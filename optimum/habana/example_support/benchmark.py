@@ -92,6 +92,13 @@ class BenchmarkArguments:
     )
     warmup: int = field(default=1, metadata={"help": "Untimed generate() calls per path and row."})
     n_iterations: int = field(default=3, metadata={"help": "Measured calls per path and row; the median is reported."})
+    threads: int | None = field(
+        default=None,
+        metadata={
+            "help": "Torch threads per measuring process (default: torch's, all cores). On a shared machine 1 "
+            "is steadier: two spinning threads wait for each other whenever another process takes a core."
+        },
+    )
     timeout: float = field(default=900.0, metadata={"help": "Seconds per process (load + runs); past it: timeout."})
     memory_limit_gb: float | None = field(
         default=None,
@@ -153,6 +160,8 @@ def validate_arguments(arguments: BenchmarkArguments) -> None:
         bad = [value for value in getattr(arguments, name) if value < 1]
         if bad:
             raise ValueError(f"--{name} takes positive integers, got {bad}.")
+    if arguments.threads is not None and arguments.threads < 1:
+        raise ValueError(f"--threads must be at least 1, got {arguments.threads}.")
     for name in ("preset_layers", "preset_intermediate_size", "n_iterations", "kernel_tokens"):
         if getattr(arguments, name) < 1:
             raise ValueError(f"--{name} must be at least 1, got {getattr(arguments, name)}.")
@@ -265,6 +274,7 @@ def row_task(
         "warmup": 0 if floor else arguments.warmup,
         "n_iterations": 1 if floor else arguments.n_iterations,
         "memory_limit_bytes": budget,
+        "threads": arguments.threads,
     }
 
 
@@ -506,6 +516,7 @@ def run(arguments: BenchmarkArguments, parser: HfArgumentParser) -> int:
     print(
         f"Device: {device.type}, dtype: {str(dtype).removeprefix('torch.')}; {arguments.warmup} warm-up + "
         f"{arguments.n_iterations} measured generate() per path, median; each path of a row in a fresh process"
+        + (f"; {arguments.threads} torch thread(s) each" if arguments.threads else "")
         + (f"; CPU allocation cap {budget / GB:.1f} GB per process" if budget else ""),
         flush=True,
     )
@@ -535,6 +546,7 @@ def run(arguments: BenchmarkArguments, parser: HfArgumentParser) -> int:
             "seed": arguments.seed,
             "warmup": 1,
             "n_iterations": 3,
+            "threads": arguments.threads,
         }
         kernel = run_worker(kernel_task, arguments.timeout)
         progress.update()
