@@ -23,3 +23,8 @@ quality:
 style:
 	$(PYTHON) -m ruff check --fix .
 	$(PYTHON) -m ruff format .
+
+# The default-vs-flash table on this machine (docs/benchmarks.md): the embedded SmolLM2, default grid, stock transformers.
+benchmark:
+	$(PYTHON) examples/text-generation/benchmark_flash_attention.py --compare-transformers --n_iterations 2 \
+		--attention_kernel_report --output_dir benchmark_results/smollm2 --plot

@@ -16,6 +16,7 @@ import torch
 from transformers import AutoConfig, AutoTokenizer
 
 from ..transformers.attention_flags import AttentionFlags
+from ..transformers.modeling_utils import padding_mask_is_all_it_needs
 from ..transformers.models import GAUDI_CAUSAL_LM_CLASSES, supported_model_types
 from ..utils.model_loading import ModelResolutionError, default_gguf_path, resolve_model
 from .text_generation import (
@@ -97,7 +98,8 @@ def explain(arguments: ScriptArguments) -> str:
             f"{', padded rows' if phase.padded else ''}):"
         )
         for group in groups:
-            lines.append(f"    layers {format_indices(group.indices)}: {call_account(flags, group, phase, device)}")
+            account = call_account(flags, group, phase, device, padding_mask_is_all_it_needs(config))
+            lines.append(f"    layers {format_indices(group.indices)}: {account}")
     lines += ["", "Flags:"]
     lines += [f"  {line}" for line in flag_accounts(arguments, device, layout.kind)]
     notes = flag_notes(arguments, device, dtype)
@@ -183,7 +185,9 @@ def mask_is_skipped(group: LayerGroup, phase: Phase) -> bool:
     return phase.q_len == 1 or phase.kv_lengths == (phase.q_len, phase.q_len)
 
 
-def call_account(flags: AttentionFlags, group: LayerGroup, phase: Phase, device: torch.device) -> str:
+def call_account(
+    flags: AttentionFlags, group: LayerGroup, phase: Phase, device: torch.device, model_mask_free: bool
+) -> str:
     """The path of this group's calls in this phase, and the arguments the kernel gets."""
     is_prefill = phase.q_len > 1
     mask_skipped = mask_is_skipped(group, phase)
@@ -195,14 +199,26 @@ def call_account(flags: AttentionFlags, group: LayerGroup, phase: Phase, device:
             why = f" (soft-capped logits, softcap={group.softcap}: no fused kernel computes them; one warning)"
         causal = ", causal" if mask_skipped and is_prefill else ""
         return f"default path{why}: matmul-softmax, softmax in {softmax}, mask {mask}{causal}, scale {group.scaling:g}"
-    valid_lengths = flags.flash_attention_causal_mask and is_prefill and phase.from_empty_cache
+    # The model's forward hands valid lengths to a prefill from an empty dynamic cache (a static one gets a 4-D
+    # mask from generate()); without the causal-mask mode only where no layer needs more than padding and the
+    # device's kernel does not read the mask (GaudiAttentionMixin.forward).
+    no_cache_step = phase.name != "prefill"  # without a KV cache every step is a prefill from empty
+    dynamic_prefill = (
+        is_prefill and phase.from_empty_cache and (no_cache_step or phase.kv_lengths == (phase.q_len, phase.q_len))
+    )
+    mask_free = (
+        phase.padded and model_mask_free and not (device.type == "hpu" and not flags.flash_attention_causal_mask)
+    )
+    valid_lengths = dynamic_prefill and (flags.flash_attention_causal_mask or mask_free)
     window_kept = valid_lengths and group.sliding_window is not None and phase.q_len > group.sliding_window
     if window_kept:
         valid_lengths = False
     if valid_lengths:
         arguments = "attn_mask=None, is_causal=True, valid lengths per row"
+        if mask_free:
+            arguments += " (no padding mask is built)"
         if device.type != "hpu" and phase.padded:
-            arguments += " (left-padded rows run one by one on their real tokens)"
+            arguments += " (left padding rotated to the right: one causal kernel call)"
     elif mask_skipped and is_prefill:
         arguments = "attn_mask=None, is_causal=True"
     else:

@@ -81,6 +81,15 @@ def fused_sdpa(
     return _torch_fused_sdpa(query, key, value, attn_mask, is_causal=is_causal, scale=scale, dropout_p=dropout_p)
 
 
+def needs_padding_mask(tensor: torch.Tensor, causal_mask_mode: bool) -> bool:
+    """Whether a padded prompt on `tensor`'s device must reach the fused kernel as a materialised mask.
+
+    On Gaudi it does unless `flash_attention_causal_mask` selects FusedSDPA's valid-length mode (upstream's
+    behaviour); PyTorch's fused kernels never need it: `fused_sdpa` runs them causally on the real tokens.
+    """
+    return on_hpu(tensor) and not causal_mask_mode
+
+
 def _hpu_fused_sdpa(
     kernel: HPUKernel,
     query: torch.Tensor,
@@ -184,31 +193,32 @@ def _torch_causal_prefill(
 ) -> torch.Tensor:
     """Causal attention over the real tokens only, with no mask: what FusedSDPA's valid_seq_len does on Gaudi.
 
-    Right padding needs nothing: a causal query never sees the padding after it. Left padding shifts each row's
-    start, so each padded row runs on its own slice. Outputs at padding positions are zero.
+    Right padding needs nothing: a causal query never sees the padding after it. Left padding is turned into
+    right padding: each row is rotated so that its real tokens come first, one causal kernel call runs the whole
+    batch, and the output is rotated back. That costs copies of Q, K, V and the output (O(N) memory) instead of an
+    N x N mask. Outputs at padding positions are zero.
     """
     q_len = query.shape[2]
-    lengths = valid_sequence_lengths.tolist()
-    if padding_side == "right" or all(length == q_len for length in lengths):
+    if padding_side == "right" or bool((valid_sequence_lengths == q_len).all()):
         return _torch_fused_sdpa(query, key, value, None, is_causal=True, scale=scale, dropout_p=dropout_p)
-    rows = []
-    for row, length in enumerate(lengths):
-        start = q_len - length
-        if length == 0:
-            rows.append(query.new_zeros(1, query.shape[1], q_len, value.shape[-1]))
-            continue
-        attended = _torch_fused_sdpa(
-            query[row : row + 1, :, start:],
-            key[row : row + 1, :, start:q_len],
-            value[row : row + 1, :, start:q_len],
-            None,
-            is_causal=True,
-            scale=scale,
-            dropout_p=dropout_p,
-        )
-        padding = query.new_zeros(1, query.shape[1], start, value.shape[-1])
-        rows.append(torch.cat([padding, attended], dim=2))
-    return torch.cat(rows, dim=0)
+    positions = torch.arange(q_len, device=query.device)
+    starts = (q_len - valid_sequence_lengths.to(query.device, torch.long))[:, None]
+    rotated = (positions + starts) % q_len  # rotated[b, i]: where row b's i-th token sits in the input
+
+    def rotate(tensor: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        return tensor.gather(2, index[:, None, :, None].expand(-1, tensor.shape[1], -1, tensor.shape[3]))
+
+    output = _torch_fused_sdpa(
+        rotate(query, rotated),
+        rotate(key[:, :, :q_len], rotated),
+        rotate(value[:, :, :q_len], rotated),
+        None,
+        is_causal=True,
+        scale=scale,
+        dropout_p=dropout_p,
+    )
+    output = rotate(output, (positions - starts) % q_len)
+    return output.masked_fill_((positions < starts)[:, None, :, None], 0.0)
 
 
 @functools.cache
@@ -217,4 +227,4 @@ def warn_once(message: str) -> None:
     warnings.warn(message, UserWarning, stacklevel=3)
 
 
-__all__ = ["FusedSDPAUnavailable", "fused_sdpa", "warn_once"]
+__all__ = ["FusedSDPAUnavailable", "fused_sdpa", "needs_padding_mask", "warn_once"]

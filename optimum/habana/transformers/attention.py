@@ -17,12 +17,15 @@ from transformers import AttentionInterface, PreTrainedConfig
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from ..kernels.dispatch import FusedSDPAUnavailable, fused_sdpa, warn_once
-from .attention_flags import DEFAULT_PATH_FLAGS, AttentionFlags, pop_attention_flags, resolve_attention_flags
+from .attention_flags import DEFAULT_PATH_FLAGS, AttentionFlags, call_attention_flags
 
 
 ATTENTION_IMPLEMENTATION = "gaudi"
 # Optimum-Habana's name for the fused attention; registered as the same function.
 FUSED_SDPA_IMPLEMENTATION = "gaudi_fused_sdpa"
+# The name a Gaudi model's config carries while a padded prompt runs the fused path without a mask: its mask
+# function builds nothing, the attention gets the per-row valid lengths instead (`GaudiAttentionMixin.forward`).
+MASK_FREE_PREFILL = "gaudi_mask_free_prefill"
 
 # Keywords that families pass to every attention function and that need nothing here: the model or the mask has
 # already used them (positions, packed-sequence boundaries, caching), or they switch model-level outputs.
@@ -67,7 +70,7 @@ def gaudi_attention_forward(
     fused kernel then runs causally over the real tokens instead of reading a mask.
     Weights are returned by the default path only: the fused kernel never materialises them.
     """
-    flags = resolve_attention_flags(pop_attention_flags(kwargs))
+    flags = call_attention_flags(kwargs)
     unknown = set(kwargs) - IGNORED_ATTENTION_KWARGS
     if unknown:
         raise TypeError(
@@ -106,6 +109,9 @@ def gaudi_attention_forward(
             except FusedSDPAUnavailable as error:
                 reason = str(error)
         warn_once(f"use_flash_attention: {reason}. Running the default attention instead; results are unchanged.")
+    if attention_mask is None and valid_sequence_lengths is not None and query.shape[2] > 1:
+        # A mask-free padded prefill that ends up here needs its padding mask after all.
+        attention_mask = causal_padding_mask(valid_sequence_lengths, query.shape[2], padding_side)
     softmax_dtype = query.dtype if flags.attn_softmax_bf16 else torch.float32
     return matmul_softmax_attention(
         query,
@@ -149,7 +155,8 @@ def flash_attention(
     """Choose the kernel arguments for this phase; returns `[B, H, q, D]`."""
     q_len = query.shape[2]
     is_prefill = q_len > 1
-    if not (flags.flash_attention_causal_mask and is_prefill):
+    if not is_prefill or (attention_mask is not None and not flags.flash_attention_causal_mask):
+        # Valid lengths replace the mask when transformers built none (a mask-free prefill) or when asked to.
         valid_sequence_lengths = None
     if valid_sequence_lengths is not None and sliding_window is not None and q_len > sliding_window:
         # Valid lengths replace the mask, and the mask is what carries the window: keep the mask for this layer.
@@ -241,6 +248,22 @@ def fully_masked_queries(attention_mask: torch.Tensor | None) -> torch.Tensor | 
     return (attention_mask <= torch.finfo(attention_mask.dtype).min).all(dim=-1, keepdim=True)
 
 
+def causal_padding_mask(valid_sequence_lengths: torch.Tensor, q_len: int, padding_side: str) -> torch.Tensor:
+    """The boolean `[B, 1, q, q]` mask of a causal prefill whose rows hold `valid_sequence_lengths` real tokens."""
+    positions = torch.arange(q_len, device=valid_sequence_lengths.device)
+    if padding_side == "left":
+        real = positions >= (q_len - valid_sequence_lengths)[:, None]
+    else:
+        real = positions < valid_sequence_lengths[:, None]
+    causal = positions[None, :] <= positions[:, None]
+    return (causal[None] & real[:, None, :])[:, None]
+
+
+def no_mask(*args, **kwargs) -> None:
+    """The mask function of `MASK_FREE_PREFILL`: the attention reads valid lengths instead."""
+    return None
+
+
 class AttentionConfigView:
     """A model config as the attention layers of a Gaudi model read it.
 
@@ -270,6 +293,8 @@ def register_gaudi_attention() -> None:
     for name in (ATTENTION_IMPLEMENTATION, FUSED_SDPA_IMPLEMENTATION):
         AttentionInterface.register(name, gaudi_attention_forward)
         AttentionMaskInterface.register(name, sdpa_mask)
+    AttentionInterface.register(MASK_FREE_PREFILL, gaudi_attention_forward)
+    AttentionMaskInterface.register(MASK_FREE_PREFILL, no_mask)
 
 
 register_gaudi_attention()

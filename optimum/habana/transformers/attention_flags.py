@@ -12,6 +12,7 @@ model through `model.generation_config`. Each is resolved on its own: the first 
 unset means off.
 """
 
+import functools
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Literal, TypedDict
@@ -106,6 +107,22 @@ def attention_flags_of(config: Any) -> dict[str, bool | None]:
 def pop_attention_flags(kwargs: dict[str, Any]) -> dict[str, bool | None]:
     """Remove the flags from a call's keyword arguments and return those it sets."""
     return {name: kwargs.pop(name) for name in ATTENTION_FLAG_NAMES if name in kwargs}
+
+
+def call_attention_flags(kwargs: dict[str, Any]) -> AttentionFlags:
+    """Remove the flags from one attention call's keyword arguments and resolve them (a single route).
+
+    The attention runs this for every layer and decode step: each combination of values is validated once.
+    """
+    values = tuple(kwargs.pop(name, None) for name in ATTENTION_FLAG_NAMES)
+    if all(value is None or value is True or value is False for value in values):
+        return _single_route_flags(values)
+    return resolve_attention_flags(dict(zip(ATTENTION_FLAG_NAMES, values, strict=True)))  # raises the ValueError
+
+
+@functools.cache
+def _single_route_flags(values: tuple[bool | None, ...]) -> AttentionFlags:
+    return resolve_attention_flags(dict(zip(ATTENTION_FLAG_NAMES, values, strict=True)))
 
 
 def resolve_attention_flags(*routes: Mapping[str, bool | None]) -> AttentionFlags:

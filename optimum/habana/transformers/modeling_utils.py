@@ -12,7 +12,9 @@ the model transformers' own (same layers, weights, loading and saving) and adds:
   `generate()` to every forward; a `BucketedStaticCache` learns each step's length before the step runs.
 """
 
+import contextlib
 import copy
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -22,7 +24,8 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.processing_utils import Unpack
 from transformers.utils.generic import TransformersKwargs
 
-from .attention import ATTENTION_IMPLEMENTATION, FUSED_SDPA_IMPLEMENTATION, AttentionConfigView
+from ..kernels.dispatch import needs_padding_mask
+from .attention import ATTENTION_IMPLEMENTATION, FUSED_SDPA_IMPLEMENTATION, MASK_FREE_PREFILL, AttentionConfigView
 from .attention_flags import (
     ATTENTION_FLAG_NAMES,
     DEFAULT_PATH_FLAGS,
@@ -140,20 +143,57 @@ class GaudiAttentionMixin(GaudiGenerationMixin):
             if self.training and getattr(self.base_model, "gradient_checkpointing", False):
                 # Checkpointed layers run forward twice; the kernel must not keep its intermediates either.
                 flags["flash_attention_recompute"] = True
-            if flags["flash_attention_causal_mask"]:
-                kwargs.update(causal_prefill_padding(attention_mask, input_ids, inputs_embeds, past_key_values))
-        return super().forward(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            past_key_values=past_key_values,
-            inputs_embeds=inputs_embeds,
-            labels=labels,
-            use_cache=use_cache,
-            logits_to_keep=logits_to_keep,
-            **flags,
-            **kwargs,
-        )
+            tokens = input_ids if input_ids is not None else inputs_embeds
+            # A padded prompt whose layers need nothing but causality and the padding skips transformers' mask,
+            # unless the device's kernel reads it (Gaudi without the causal-mask mode).
+            mask_free = padding_mask_is_all_it_needs(self.config) and not needs_padding_mask(
+                tokens, flags["flash_attention_causal_mask"]
+            )
+            if flags["flash_attention_causal_mask"] or mask_free:
+                padding = causal_prefill_padding(attention_mask, input_ids, inputs_embeds, past_key_values)
+                kwargs.update(padding)
+                mask_free = mask_free and bool(padding)
+        else:
+            mask_free = False
+        with mask_free_prefill(self.config) if mask_free else contextlib.nullcontext():
+            return super().forward(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                past_key_values=past_key_values,
+                inputs_embeds=inputs_embeds,
+                labels=labels,
+                use_cache=use_cache,
+                logits_to_keep=logits_to_keep,
+                **flags,
+                **kwargs,
+            )
+
+
+def padding_mask_is_all_it_needs(config: PreTrainedConfig) -> bool:
+    """Whether every layer's mask is causal plus padding: no sliding window, no bidirectional or chunked layers."""
+    if not getattr(config, "is_causal", True) or getattr(config, "attention_chunk_size", None):
+        return False
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        return all(layer_type == "full_attention" for layer_type in layer_types)
+    return getattr(config, "sliding_window", None) is None
+
+
+@contextlib.contextmanager
+def mask_free_prefill(config: PreTrainedConfig) -> Iterator[None]:
+    """Make transformers' mask construction build nothing for this forward.
+
+    transformers picks the mask function by `config._attn_implementation`, and would build a `[B, 1, q, q]` mask
+    (O(N²) memory, several copies) for a padded prompt. The layers read the Gaudi attention through their config
+    view, so only the mask construction sees the temporary name; the user's choice is restored afterwards.
+    """
+    chosen = config._attn_implementation_internal
+    config._attn_implementation_internal = MASK_FREE_PREFILL
+    try:
+        yield
+    finally:
+        config._attn_implementation_internal = chosen
 
 
 def _load_gaudi_generation_config(
@@ -187,8 +227,8 @@ def causal_prefill_padding(
     Returns `{"valid_sequence_lengths": int32 [B], "padding_side": ...}`, or nothing when the mask is needed
     (decode, a non-empty cache, padding on both sides or in the middle): the attention then reads the mask.
     """
-    if attention_mask is None or attention_mask.dim() != 2:
-        return {}
+    if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2:
+        return {}  # None, a prepared 4-D mask, or a dict of masks per layer type: the attention reads those
     q_len = (input_ids if input_ids is not None else inputs_embeds).shape[1]
     past_len = past_key_values.get_seq_length() if past_key_values is not None else 0
     if q_len == 1 or past_len != 0 or attention_mask.shape[1] != q_len:

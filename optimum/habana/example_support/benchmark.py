@@ -1,0 +1,576 @@
+"""The default-vs-flash benchmark behind `examples/text-generation/benchmark_flash_attention.py`.
+
+For every row of the grid (model x batch size x input tokens x new tokens) each path runs in a fresh process
+(`benchmark_worker`), so each peak memory belongs to one run; the paths of a row run one after the other, in an
+order that alternates from row to row, so a drifting machine affects them alike. Every figure a ratio is made of
+comes from the same run of this script.
+"""
+
+import csv
+import io
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, NoReturn
+
+import torch
+from tabulate import tabulate
+from tqdm import tqdm
+from transformers import AutoConfig, HfArgumentParser
+
+from ..utils.devices import DEVICE_CHOICES, default_dtype, resolve_device
+from ..utils.model_loading import DEFAULT_MODEL_NAME, ModelResolutionError
+from .benchmark_models import PRESETS, ModelSpec, checkpoint_path
+from .benchmark_worker import RESULT_MARKER
+from .text_generation import environment_versions
+
+
+RESULT_FILES = ("results.json", "results.csv")
+PLOT_FILE = "flash_attention.png"
+GB = 1024**3
+# Llama-2-7B's attention, the geometry of the kernel report.
+KERNEL_HEADS, KERNEL_HEAD_DIM = 32, 128
+
+
+@dataclass
+class BenchmarkArguments:
+    model_name_or_path: list[str] = field(
+        default_factory=lambda: [DEFAULT_MODEL_NAME],
+        metadata={
+            "nargs": "+",
+            "help": f"Models, one row group each: anything run_generation.py accepts (checkpoint folder, hub id, "
+            f".gguf; {DEFAULT_MODEL_NAME} is the embedded default) or a synthetic preset: "
+            f"{', '.join(PRESETS)} (real attention geometry, random weights, --preset_layers layers, reduced MLP).",
+        },
+    )
+    batch_sizes: list[int] = field(default_factory=lambda: [1, 8], metadata={"nargs": "+", "help": "Batch sizes."})
+    max_input_tokens: list[int] = field(
+        default_factory=lambda: [16, 512], metadata={"nargs": "+", "help": "Prompt lengths in tokens (random ids)."}
+    )
+    max_new_tokens: list[int] = field(
+        default_factory=lambda: [16, 64],
+        metadata={"nargs": "+", "help": "Tokens generated per sequence (EOS suppressed: always exactly this many)."},
+    )
+    ragged: bool = field(
+        default=False,
+        metadata={"help": "Every second row of a batch a quarter shorter, left-padded: the padded-batch case."},
+    )
+    flash_attention_causal_mask: bool = field(
+        default=False, metadata={"help": "Run the flash path with --flash_attention_causal_mask."}
+    )
+    compare_transformers: bool = field(
+        default=False,
+        metadata={
+            "aliases": ["--compare-transformers"],
+            "help": "Also run stock transformers (attn_implementation 'eager' and 'sdpa') on every row.",
+        },
+    )
+    floor: bool = field(
+        default=True,
+        metadata={
+            "help": "Also measure the floor: the same model with attention replaced by a pass-through of V, no mask "
+            "(one run per row). --no_floor skips it."
+        },
+    )
+    preset_layers: int = field(default=1, metadata={"help": "Decoder layers of the synthetic presets."})
+    preset_intermediate_size: int = field(default=2048, metadata={"help": "MLP width of the synthetic presets."})
+    device: str = field(default="auto", metadata={"choices": DEVICE_CHOICES, "help": "auto: HPU, CUDA, then CPU."})
+    bf16: bool | None = field(
+        default=None,
+        metadata={
+            "nargs": "?",
+            "const": True,
+            "help": "bf16 (--bf16) or fp32 (--bf16 False); default: bf16 on HPU and CUDA, fp32 on CPU.",
+        },
+    )
+    warmup: int = field(default=1, metadata={"help": "Untimed generate() calls per path and row."})
+    n_iterations: int = field(default=3, metadata={"help": "Measured calls per path and row; the median is reported."})
+    threads: int | None = field(
+        default=None,
+        metadata={
+            "help": "Torch threads per measuring process (default: torch's, all cores). On a shared machine 1 "
+            "is steadier: two spinning threads wait for each other whenever another process takes a core."
+        },
+    )
+    timeout: float = field(default=900.0, metadata={"help": "Seconds per process (load + runs); past it: timeout."})
+    memory_limit_gb: float | None = field(
+        default=None,
+        metadata={
+            "help": "CPU: how much a measuring process may allocate before its allocations fail (OOM in the "
+            "table). Default: 80%% of the memory available at start. 0: no cap."
+        },
+    )
+    attention_kernel_report: bool = field(
+        default=False,
+        metadata={
+            "help": "Also report the flash path's attention-only FLOP rate (Llama-2-7B attention, "
+            "--kernel_tokens tokens) next to the measured GEMM rate."
+        },
+    )
+    kernel_tokens: int = field(default=4096, metadata={"help": "Sequence length of the kernel report."})
+    seed: int = field(default=0, metadata={"help": "Seed of the prompts and of the presets' weights."})
+    output_dir: str | None = field(
+        default=None, metadata={"help": f"Write {' and '.join(RESULT_FILES)} (and the plot) there."}
+    )
+    overwrite: bool = field(default=False, metadata={"help": "Replace results already in --output_dir."})
+    plot: bool = field(
+        default=False, metadata={"help": f"Plot memory and throughput against input length to OUTPUT_DIR/{PLOT_FILE}."}
+    )
+
+
+@dataclass(frozen=True)
+class Row:
+    model: ModelSpec
+    batch_size: int
+    input_tokens: int
+    new_tokens: int
+
+
+def build_parser() -> HfArgumentParser:
+    return HfArgumentParser(
+        [BenchmarkArguments],
+        prog="benchmark_flash_attention.py",
+        description="Throughput, prefill time and peak memory with and without --use_flash_attention, over a grid.",
+    )
+
+
+def usage_error(parser: HfArgumentParser, message: str) -> NoReturn:
+    parser.exit(2, f"{parser.prog}: error: {message}\n")
+
+
+def parse_arguments(parser: HfArgumentParser, argv: Sequence[str] | None) -> BenchmarkArguments:
+    (arguments,) = parser.parse_args_into_dataclasses(args=None if argv is None else list(argv))
+    try:
+        validate_arguments(arguments)
+    except ValueError as error:
+        usage_error(parser, str(error))
+    return arguments
+
+
+def validate_arguments(arguments: BenchmarkArguments) -> None:
+    """Checks that need no model; a ValueError names the flag and what to do."""
+    for name in ("batch_sizes", "max_input_tokens", "max_new_tokens"):
+        bad = [value for value in getattr(arguments, name) if value < 1]
+        if bad:
+            raise ValueError(f"--{name} takes positive integers, got {bad}.")
+    if arguments.threads is not None and arguments.threads < 1:
+        raise ValueError(f"--threads must be at least 1, got {arguments.threads}.")
+    for name in ("preset_layers", "preset_intermediate_size", "n_iterations", "kernel_tokens"):
+        if getattr(arguments, name) < 1:
+            raise ValueError(f"--{name} must be at least 1, got {getattr(arguments, name)}.")
+    if arguments.warmup < 0:
+        raise ValueError(f"--warmup must be 0 or more, got {arguments.warmup}.")
+    if arguments.timeout <= 0:
+        raise ValueError(f"--timeout must be a positive number of seconds, got {arguments.timeout}.")
+    if arguments.memory_limit_gb is not None and arguments.memory_limit_gb < 0:
+        raise ValueError(f"--memory_limit_gb must be 0 (no cap) or more, got {arguments.memory_limit_gb}.")
+    if arguments.plot and not arguments.output_dir:
+        raise ValueError("--plot writes a PNG into --output_dir: give --output_dir too.")
+    if arguments.output_dir and not arguments.overwrite:
+        existing = [name for name in (*RESULT_FILES, PLOT_FILE) if (Path(arguments.output_dir) / name).exists()]
+        if existing:
+            raise ValueError(
+                f"--output_dir {arguments.output_dir} already holds {', '.join(existing)}: choose another folder, "
+                "or pass --overwrite to replace them."
+            )
+
+
+def check_models(arguments: BenchmarkArguments) -> list[ModelSpec]:
+    """Resolve every model once here (a GGUF is converted once, then cached for the workers); a bad one is an error."""
+    specs = []
+    longest = max(arguments.max_input_tokens) + max(arguments.max_new_tokens)
+    for name in arguments.model_name_or_path:
+        spec = ModelSpec(name, arguments.preset_layers, arguments.preset_intermediate_size)
+        if not spec.is_preset:
+            positions = getattr(AutoConfig.from_pretrained(checkpoint_path(name)), "max_position_embeddings", None)
+            if positions is not None and longest > positions:
+                raise ValueError(
+                    f"--model_name_or_path {name}: --max_input_tokens + --max_new_tokens reaches {longest} tokens, "
+                    f"beyond its {positions} positions. Lower them, or use a preset ({', '.join(PRESETS)})."
+                )
+        specs.append(spec)
+    return specs
+
+
+def grid(specs: Sequence[ModelSpec], arguments: BenchmarkArguments) -> list[Row]:
+    return [
+        Row(spec, batch, tokens, new)
+        for spec in specs
+        for batch in arguments.batch_sizes
+        for tokens in arguments.max_input_tokens
+        for new in arguments.max_new_tokens
+    ]
+
+
+def paths_for(arguments: BenchmarkArguments, row_index: int) -> list[str]:
+    """The paths of one row, in the order they run: reversed every other row."""
+    paths = ["default", "flash"]
+    if arguments.compare_transformers:
+        paths += ["eager", "sdpa"]
+    if arguments.floor:
+        paths.append("floor")
+    return paths if row_index % 2 == 0 else paths[::-1]
+
+
+def memory_budget_bytes(arguments: BenchmarkArguments, device: torch.device) -> int | None:
+    if device.type != "cpu":
+        return None  # the device allocator fails cleanly on its own
+    if arguments.memory_limit_gb is not None:
+        return int(arguments.memory_limit_gb * GB) or None
+    available = _meminfo_bytes("MemAvailable")
+    return int(available * 0.8) if available else None
+
+
+def _meminfo_bytes(field_name: str) -> int | None:
+    meminfo = Path("/proc/meminfo")
+    if not meminfo.exists():
+        return None
+    for line in meminfo.read_text().splitlines():
+        if line.startswith(f"{field_name}:"):
+            return int(line.split()[1]) * 1024
+    return None
+
+
+def run_worker(task: dict[str, Any], timeout: float) -> dict[str, Any]:
+    """One measurement in a fresh process: its result, or a timeout / OOM / error status."""
+    command = [sys.executable, "-m", "optimum.habana.example_support.benchmark_worker", json.dumps(task)]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"status": "timeout", "error": f"still running after --timeout {timeout:g} s"}
+    for line in reversed(done.stdout.splitlines()):
+        if line.startswith(RESULT_MARKER):
+            return json.loads(line[len(RESULT_MARKER) :])
+    if done.returncode == -9:
+        return {"status": "oom", "error": "killed by SIGKILL (the kernel's OOM killer)"}
+    lines = done.stderr.strip().splitlines()
+    return {"status": "error", "error": lines[-1] if lines else f"exit code {done.returncode}"}
+
+
+def row_task(
+    row: Row, path: str, arguments: BenchmarkArguments, device: torch.device, dtype: torch.dtype, budget: int | None
+) -> dict[str, Any]:
+    floor = path == "floor"
+    return {
+        "kind": "generate",
+        "model": asdict(row.model),
+        "path": path,
+        "batch_size": row.batch_size,
+        "input_tokens": row.input_tokens,
+        "new_tokens": row.new_tokens,
+        "ragged": arguments.ragged,
+        "causal_mask": arguments.flash_attention_causal_mask,
+        "device": device.type,
+        "dtype": str(dtype).removeprefix("torch."),
+        "seed": arguments.seed,
+        # The floor is measured for its memory: one run is enough, and it costs the least.
+        "warmup": 0 if floor else arguments.warmup,
+        "n_iterations": 1 if floor else arguments.n_iterations,
+        "memory_limit_bytes": budget,
+        "threads": arguments.threads,
+    }
+
+
+def ratio(numerator: float | None, denominator: float | None) -> float | None:
+    if numerator is None or denominator is None or denominator == 0:
+        return None
+    return numerator / denominator
+
+
+def summarize_row(row: Row, results: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """One table row: each path's raw measurement and the ratios computed from them."""
+
+    def value(path: str, name: str) -> float | None:
+        result = results.get(path, {})
+        return result.get(name) if result.get("status") == "ok" else None
+
+    default_peak, flash_peak = value("default", "peak_memory_bytes"), value("flash", "peak_memory_bytes")
+    spreads = [
+        (max(result["throughputs"]) - min(result["throughputs"])) / statistics.median(result["throughputs"])
+        for path, result in results.items()
+        if result.get("status") == "ok" and path != "floor" and len(result["throughputs"]) > 1
+    ]
+    return {
+        "model": row.model.label,
+        "batch_size": row.batch_size,
+        "max_input_tokens": row.input_tokens,
+        "max_new_tokens": row.new_tokens,
+        "paths": results,
+        "throughput_improvement": ratio(
+            value("flash", "throughput_tokens_per_second"), value("default", "throughput_tokens_per_second")
+        ),
+        "memory_reduction_bytes": None if None in (default_peak, flash_peak) else default_peak - flash_peak,
+        "flash_vs_sdpa": ratio(
+            value("flash", "throughput_tokens_per_second"), value("sdpa", "throughput_tokens_per_second")
+        ),
+        "default_vs_eager": ratio(
+            value("default", "throughput_tokens_per_second"), value("eager", "throughput_tokens_per_second")
+        ),
+        "flash_extra_vs_floor": ratio(value("flash", "extra_memory_bytes"), value("floor", "extra_memory_bytes")),
+        "default_extra_vs_floor": ratio(value("default", "extra_memory_bytes"), value("floor", "extra_memory_bytes")),
+        "noise_percent": 100 * max(spreads) if spreads else None,
+    }
+
+
+def cell(results: dict[str, dict[str, Any]], path: str, name: str, scale: float = 1.0, digits: int = 2) -> str:
+    """A measured value, or what stopped it: OOM, timeout, error."""
+    result = results.get(path)
+    if result is None:
+        return ""
+    if result["status"] != "ok":
+        return {"oom": "OOM", "timeout": "timeout"}.get(result["status"], "error")
+    return f"{result[name] / scale:.{digits}f}"
+
+
+def number(value: float | None, digits: int = 2, scale: float = 1.0) -> str:
+    return "-" if value is None else f"{value / scale:.{digits}f}"
+
+
+def table_rows(records: Sequence[dict[str, Any]], arguments: BenchmarkArguments) -> list[dict[str, str]]:
+    """The table users compare, plus prefill time, the floor and stock transformers when measured."""
+    rows = []
+    for record in records:
+        paths = record["paths"]
+        row = {
+            "Model": record["model"],
+            "BS": str(record["batch_size"]),
+            "Max input tokens": str(record["max_input_tokens"]),
+            "Max new tokens": str(record["max_new_tokens"]),
+            "Default throughput [tokens/s]": cell(paths, "default", "throughput_tokens_per_second"),
+            "Flash throughput [tokens/s]": cell(paths, "flash", "throughput_tokens_per_second"),
+            "Throughput improvement": number(record["throughput_improvement"]),
+            "Default memory [GB]": cell(paths, "default", "peak_memory_bytes", GB),
+            "Flash memory [GB]": cell(paths, "flash", "peak_memory_bytes", GB),
+            "Memory reduction [GB]": number(record["memory_reduction_bytes"], scale=GB),
+            "Default prefill [s]": cell(paths, "default", "prefill_seconds", digits=3),
+            "Flash prefill [s]": cell(paths, "flash", "prefill_seconds", digits=3),
+        }
+        if arguments.floor:
+            row["Floor extra memory [GB]"] = cell(paths, "floor", "extra_memory_bytes", GB, digits=3)
+            row["Default / floor extra"] = number(record["default_extra_vs_floor"])
+            row["Flash / floor extra"] = number(record["flash_extra_vs_floor"])
+        if arguments.compare_transformers:
+            row["Stock eager [tokens/s]"] = cell(paths, "eager", "throughput_tokens_per_second")
+            row["Stock sdpa [tokens/s]"] = cell(paths, "sdpa", "throughput_tokens_per_second")
+            row["Default / eager"] = number(record["default_vs_eager"])
+            row["Flash / sdpa"] = number(record["flash_vs_sdpa"])
+        row["Noise [%]"] = number(record["noise_percent"], digits=1)
+        rows.append(row)
+    return rows
+
+
+def markdown_table(rows: Sequence[dict[str, str]]) -> str:
+    return tabulate(rows, headers="keys", tablefmt="github", disable_numparse=True)
+
+
+def csv_text(rows: Sequence[dict[str, str]]) -> str:
+    buffer = io.StringIO()
+    writer = csv.DictWriter(buffer, fieldnames=list(rows[0]))
+    writer.writeheader()
+    writer.writerows(rows)
+    return buffer.getvalue()
+
+
+def kernel_table(report: dict[str, Any]) -> str:
+    if report.get("status") != "ok":
+        return f"Attention kernel report: {report.get('status')} ({report.get('error', '')})"
+    rates, gemm = report["flops_per_second"], report["flops_per_second"]["gemm"]
+    labels = {
+        "flash": "flash path (library call)",
+        "torch_sdpa": "PyTorch fused kernel alone",
+        "default": "default path (matmul-softmax)",
+    }
+    rows = [
+        [label, f"{report['seconds'][name] * 1000:.1f}", f"{rates[name] / 1e9:.1f}", f"{rates[name] / gemm:.2f}"]
+        for name, label in labels.items()
+    ]
+    rows.append(["GEMM (fp32 square matmul)", f"{report['seconds']['gemm'] * 1000:.1f}", f"{gemm / 1e9:.1f}", "1.00"])
+    return tabulate(
+        rows, headers=["Attention only", "ms", "GFLOP/s", "of GEMM"], tablefmt="github", disable_numparse=True
+    )
+
+
+def hardware() -> dict[str, Any]:
+    cpu = platform.processor() or platform.machine()
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    memory = _meminfo_bytes("MemTotal")
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "memory_gb": None if memory is None else round(memory / GB, 1),
+        "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+    }
+
+
+def write_atomically(path: Path, text: str | bytes) -> None:
+    """Write to a temporary file next to `path`, then rename it: readers never see half a file."""
+    mode = "wb" if isinstance(text, bytes) else "w"
+    with tempfile.NamedTemporaryFile(mode, dir=path.parent, prefix=f".{path.name}.", delete=False) as temporary:
+        temporary.write(text)
+        temporary.flush()
+        os.fsync(temporary.fileno())
+    os.replace(temporary.name, path)
+
+
+def plot_png(records: Sequence[dict[str, Any]]) -> bytes:
+    """Peak memory and throughput against input length, one line per model, batch, new tokens and path."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, (memory_axis, speed_axis) = plt.subplots(1, 2, figsize=(12, 4.5))
+    groups: dict[tuple, list[dict[str, Any]]] = {}
+    for record in records:
+        groups.setdefault((record["model"], record["batch_size"], record["max_new_tokens"]), []).append(record)
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for number, ((model, batch, new), members) in enumerate(groups.items()):
+        members = sorted(members, key=lambda record: record["max_input_tokens"])
+        for path, style in (("default", "--o"), ("flash", "-s"), ("floor", ":^")):
+            points = [
+                (record["max_input_tokens"], record["paths"][path])
+                for record in members
+                if record["paths"].get(path, {}).get("status") == "ok"
+            ]
+            if not points:
+                continue
+            line = {
+                "color": colors[number % len(colors)],
+                "label": f"{model.split(' (')[0]}, BS {batch}, {new} new: {path}",
+            }
+            tokens = [tokens for tokens, _ in points]
+            memory_axis.plot(tokens, [result["peak_memory_bytes"] / GB for _, result in points], style, **line)
+            if path != "floor":
+                throughputs = [result["throughput_tokens_per_second"] for _, result in points]
+                speed_axis.plot(tokens, throughputs, style, **line)
+    for axis, title in ((memory_axis, "Peak memory [GB]"), (speed_axis, "Throughput [tokens/s]")):
+        axis.set_xscale("log", base=2)
+        axis.set_xlabel("Input tokens")
+        axis.set_title(title)
+        axis.grid(True, alpha=0.3)
+    memory_axis.legend(fontsize=7)
+    figure.tight_layout()
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png", dpi=90)
+    plt.close(figure)
+    return buffer.getvalue()
+
+
+def write_results(
+    output_dir: Path,
+    arguments: BenchmarkArguments,
+    device: torch.device,
+    dtype: torch.dtype,
+    records: Sequence[dict[str, Any]],
+    kernel: dict[str, Any] | None,
+    complete: bool,
+) -> list[Path]:
+    """results.json, results.csv and, when complete and asked, the plot; each written atomically."""
+    table = table_rows(records, arguments)
+    report = {
+        "complete": complete,
+        "arguments": asdict(arguments),
+        "versions": environment_versions(),
+        "hardware": hardware(),
+        "device": device.type,
+        "dtype": str(dtype).removeprefix("torch."),
+        "memory_column": "device allocator peak" if device.type != "cpu" else "process peak resident memory",
+        "rows": list(records),
+        "table": table,
+        "attention_kernel": kernel,
+    }
+    write_atomically(output_dir / "results.json", json.dumps(report, indent=2) + "\n")
+    write_atomically(output_dir / "results.csv", csv_text(table))
+    written = [output_dir / name for name in RESULT_FILES]
+    if complete and arguments.plot:
+        write_atomically(output_dir / PLOT_FILE, plot_png(records))
+        written.append(output_dir / PLOT_FILE)
+    return written
+
+
+def run(arguments: BenchmarkArguments, parser: HfArgumentParser) -> int:
+    try:
+        device = resolve_device(arguments.device)
+        specs = check_models(arguments)
+    except (ModelResolutionError, ValueError, OSError) as error:
+        usage_error(parser, str(error))
+    dtype = default_dtype(device) if arguments.bf16 is None else (torch.bfloat16 if arguments.bf16 else torch.float32)
+    output_dir = Path(arguments.output_dir) if arguments.output_dir else None
+    if output_dir:
+        output_dir.mkdir(parents=True, exist_ok=True)
+    budget = memory_budget_bytes(arguments, device)
+    rows = grid(specs, arguments)
+    print(
+        f"Device: {device.type}, dtype: {str(dtype).removeprefix('torch.')}; {arguments.warmup} warm-up + "
+        f"{arguments.n_iterations} measured generate() per path, median; each path of a row in a fresh process"
+        + (f"; {arguments.threads} torch thread(s) each" if arguments.threads else "")
+        + (f"; CPU allocation cap {budget / GB:.1f} GB per process" if budget else ""),
+        flush=True,
+    )
+    total = sum(len(paths_for(arguments, index)) for index in range(len(rows))) + arguments.attention_kernel_report
+    progress = tqdm(total=total, unit="run", desc="benchmark", file=sys.stderr, disable=None)
+    records = []
+    for index, row in enumerate(rows):
+        results = {}
+        for path in paths_for(arguments, index):
+            progress.set_postfix_str(f"BS {row.batch_size}, in {row.input_tokens}, new {row.new_tokens}: {path}")
+            results[path] = run_worker(row_task(row, path, arguments, device, dtype, budget), arguments.timeout)
+            progress.update()
+        records.append(summarize_row(row, results))
+        if output_dir:  # rows so far, so that an interrupted grid still leaves its measurements
+            write_results(output_dir, arguments, device, dtype, records, None, complete=False)
+    kernel = None
+    if arguments.attention_kernel_report:
+        progress.set_postfix_str("attention kernel")
+        kernel_task = {
+            "kind": "kernel",
+            "device": device.type,
+            "dtype": str(dtype).removeprefix("torch."),
+            "heads": KERNEL_HEADS,
+            "head_dim": KERNEL_HEAD_DIM,
+            "input_tokens": arguments.kernel_tokens,
+            "gemm_size": 2048,
+            "seed": arguments.seed,
+            "warmup": 1,
+            "n_iterations": 3,
+            "threads": arguments.threads,
+        }
+        kernel = run_worker(kernel_task, arguments.timeout)
+        progress.update()
+    progress.close()
+
+    table = table_rows(records, arguments)
+    print(markdown_table(table))
+    for spec in specs:
+        if spec.is_preset:
+            print(f"\n{spec.name}: {spec.label.split(' (', 1)[1].rstrip(')')}.")
+    if arguments.ragged:
+        print("\nPadded batches: every second row a quarter shorter, left-padded.")
+    if kernel is not None:
+        print(
+            f"\nAttention only, causal prefill of {arguments.kernel_tokens} tokens, {KERNEL_HEADS} heads of "
+            f"{KERNEL_HEAD_DIM}:\n{kernel_table(kernel)}"
+        )
+    for record in records:
+        for path, result in record["paths"].items():
+            if result["status"] not in ("ok", "oom", "timeout"):
+                print(
+                    f"error in {record['model']} BS {record['batch_size']} {path}: {result['error']}", file=sys.stderr
+                )
+    if output_dir:
+        written = write_results(output_dir, arguments, device, dtype, records, kernel, complete=True)
+        print(f"\nWritten: {', '.join(str(path) for path in written)}")
+    return 0
