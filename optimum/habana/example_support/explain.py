@@ -16,6 +16,7 @@ import torch
 from transformers import AutoConfig, AutoTokenizer
 
 from ..transformers.attention_flags import AttentionFlags
+from ..transformers.cache import bucketed_length
 from ..transformers.modeling_utils import padding_mask_is_all_it_needs
 from ..transformers.models import GAUDI_CAUSAL_LM_CLASSES, supported_model_types
 from ..utils.model_loading import ModelResolutionError, default_gguf_path, resolve_model
@@ -148,7 +149,7 @@ def phases(
         prefill_kv = (input_length, input_length)
     elif cache_kind == "bucketed":
         bucket = layout.bucket_size
-        prefill_kv = (bucketed(input_length, bucket, max_cache_len),) * 2
+        prefill_kv = (bucketed_length(input_length, bucket, max_cache_len),) * 2
     else:
         prefill_kv = (max_cache_len, max_cache_len)
     result = [Phase("prefill", input_length, prefill_kv, padded, from_empty_cache=True)]
@@ -161,17 +162,13 @@ def phases(
             decode_kv = (first, last)
         elif cache_kind == "bucketed":
             decode_kv = (
-                bucketed(first, layout.bucket_size, max_cache_len),
-                bucketed(last, layout.bucket_size, max_cache_len),
+                bucketed_length(first, layout.bucket_size, max_cache_len),
+                bucketed_length(last, layout.bucket_size, max_cache_len),
             )
         else:
             decode_kv = (max_cache_len, max_cache_len)
         result.append(Phase("decode", 1, decode_kv, padded))
     return result
-
-
-def bucketed(tokens: int, bucket_size: int, max_cache_len: int) -> int:
-    return min(-(-tokens // bucket_size) * bucket_size, max_cache_len)
 
 
 def mask_is_skipped(group: LayerGroup, phase: Phase) -> bool:

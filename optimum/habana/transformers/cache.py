@@ -20,6 +20,11 @@ from transformers.cache_utils import STATIC_LAYER_TYPE_MAPPING, Cache, StaticLay
 from transformers.utils import is_torchdynamo_compiling
 
 
+def bucketed_length(tokens: int, bucket_size: int, max_cache_len: int) -> int:
+    """The attended length once a cache holds `tokens` tokens: whole buckets, capped at `max_cache_len`."""
+    return min(math.ceil(tokens / bucket_size) * bucket_size, max_cache_len)
+
+
 class BucketedStaticLayer(StaticLayer):
     """A full-attention layer: static storage, attended length rounded up to a whole bucket."""
 
@@ -87,10 +92,9 @@ class BucketedStaticCache(Cache):
         self.tokens = 0  # held after the current forward; a Python int, so that compiled code never reads a tensor
 
     def bucketed_length(self, tokens: int) -> int:
-        """The attended length once the cache holds `tokens` tokens: whole buckets, capped at `max_cache_len`."""
         if tokens > self.max_cache_len:
             raise ValueError(f"The cache holds {self.max_cache_len} tokens; this step needs {tokens}.")
-        return min(math.ceil(tokens / self.bucket_size) * self.bucket_size, self.max_cache_len)
+        return bucketed_length(tokens, self.bucket_size, self.max_cache_len)
 
     def prepare_for_new_tokens(self, new_tokens: int) -> None:
         """Call before a forward that adds `new_tokens` tokens (the prompt, then one per decode step)."""
