@@ -151,28 +151,23 @@ def _torch_fused_sdpa(
     dropout_p: float,
 ) -> torch.Tensor:
     backends = _CUDA_BACKENDS if query.device.type == "cuda" else _OTHER_BACKENDS
-    attend = functools.partial(
-        F.scaled_dot_product_attention,
-        query,
-        key,
-        value,
-        attn_mask=attn_mask,
-        dropout_p=dropout_p,
-        is_causal=is_causal,
-        scale=scale,
-        enable_gqa=key.shape[1] != query.shape[1],
-    )
-    if not torch.compiler.is_compiling() and _pytorch_choice(
-        query, key, value, attn_mask, is_causal, scale, dropout_p
-    ) in {int(backend) for backend in backends}:
-        # PyTorch itself would run a fused kernel for these inputs: call it without the restricting context
-        # managers below, which cost about 4% of a batch-8 decode step on CPU (measured against stock sdpa).
-        return attend()
+    options = {
+        "attn_mask": attn_mask,
+        "dropout_p": dropout_p,
+        "is_causal": is_causal,
+        "scale": scale,
+        "enable_gqa": key.shape[1] != query.shape[1],
+    }
+    attend = functools.partial(F.scaled_dot_product_attention, query, key, value, **options)
     if torch.compiler.is_compiling():
         # Dynamo cannot trace warnings.catch_warnings (a graph break per layer, then the recompile limit), so
         # compiled code calls the kernel directly: there, inputs no fused kernel takes are an error, not a fallback.
         with sdpa_kernel(backends):
             return attend()
+    if _pytorch_choice(query, key, value, options) in {int(backend) for backend in backends}:
+        # PyTorch itself would run a fused kernel for these inputs: call it without the restricting context
+        # managers below, which cost about 4% of a batch-8 decode step on CPU (measured against stock sdpa).
+        return attend()
     try:
         # PyTorch warns once per backend it rejects; the reason reaches the user through our own warning instead.
         with sdpa_kernel(backends), warnings.catch_warnings(record=True) as rejections:
@@ -188,21 +183,10 @@ def _torch_fused_sdpa(
         ) from None
 
 
-def _pytorch_choice(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attn_mask: torch.Tensor | None,
-    is_causal: bool,
-    scale: float | None,
-    dropout_p: float,
-) -> int | None:
+def _pytorch_choice(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, options: dict) -> int | None:
     """The SDPA backend PyTorch picks for these inputs (the same selection `scaled_dot_product_attention` runs)."""
     choose = getattr(torch, "_fused_sdp_choice", None)  # private; absent in some builds: use the restricted path
-    if choose is None:
-        return None
-    gqa = key.shape[1] != query.shape[1]
-    return choose(query, key, value, attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale, enable_gqa=gqa)
+    return None if choose is None else choose(query, key, value, **options)
 
 
 def _torch_causal_prefill(
