@@ -107,17 +107,35 @@ class GaudiAttentionMixin(GaudiGenerationMixin):
         model._apply_attn_implementation_default()
         return loaded
 
-    def prepare_inputs_for_generation(self, input_ids: torch.LongTensor, **kwargs: Any) -> dict[str, Any]:
-        """Also tell a bucketed static cache how many tokens the next forward adds, outside any compiled region."""
-        cache = kwargs.get("past_key_values")
-        if isinstance(cache, BucketedStaticCache):
-            new_tokens = kwargs.get("next_sequence_length")
+    def prepare_inputs_for_generation(
+        self,
+        input_ids: torch.LongTensor,
+        next_sequence_length: int | None = None,
+        past_key_values: Cache | None = None,
+        attention_mask: torch.LongTensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        is_first_iteration: bool | None = False,
+        **kwargs: Any,
+    ) -> dict[str, Any]:
+        """Also tell a bucketed static cache how many tokens the next forward adds, outside any compiled region.
+
+        The signature is the stock one: generate() reads it to decide whether `inputs_embeds` is supported.
+        """
+        if isinstance(past_key_values, BucketedStaticCache):
+            new_tokens = next_sequence_length
             if new_tokens is None:
-                embeds = kwargs.get("inputs_embeds")
-                prompt_embeds = embeds is not None and kwargs.get("is_first_iteration")
-                new_tokens = embeds.shape[1] if prompt_embeds else input_ids.shape[1] - cache.tokens
-            cache.prepare_for_new_tokens(new_tokens)
-        return super().prepare_inputs_for_generation(input_ids, **kwargs)
+                prompt_embeds = inputs_embeds is not None and is_first_iteration
+                new_tokens = inputs_embeds.shape[1] if prompt_embeds else input_ids.shape[1] - past_key_values.tokens
+            past_key_values.prepare_for_new_tokens(new_tokens)
+        return super().prepare_inputs_for_generation(
+            input_ids,
+            next_sequence_length=next_sequence_length,
+            past_key_values=past_key_values,
+            attention_mask=attention_mask,
+            inputs_embeds=inputs_embeds,
+            is_first_iteration=is_first_iteration,
+            **kwargs,
+        )
 
     def _validate_model_kwargs(self, model_kwargs: dict[str, Any]) -> None:
         # The flags are forward arguments through `**kwargs`, which transformers' check cannot see.
