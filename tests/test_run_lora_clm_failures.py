@@ -203,8 +203,35 @@ CASES = {
         2,
         [ADAPTER, "damaged or truncated"],
     ),
+    "overwrite and resume True": Case(
+        lambda c: c.args("--overwrite_output_dir", "--resume_from_checkpoint", "True"),
+        2,
+        ["--overwrite_output_dir and --resume_from_checkpoint True contradict", "Choose one"],
+    ),
+    "resume another run's checkpoint": Case(
+        lambda c: c.args("--resume_from_checkpoint", c.copied_checkpoint(), "--learning_rate", "5e-4", "--seed", "7"),
+        2,
+        ["checkpoint-2", "other arguments", "--learning_rate 5e-05 there, 0.0005 here", "--seed 0 there, 7 here"],
+    ),
+    "resume with another --max_steps": Case(
+        lambda c: c.args("--resume_from_checkpoint", c.copied_checkpoint(), "--max_steps", "3"),
+        2,
+        ["--max_steps 2 there, 3 here", "--overwrite_output_dir"],
+    ),
+    "resume with other data": Case(
+        lambda c: c.args(
+            "--resume_from_checkpoint", c.copied_checkpoint(), "--train_file", c.file("d.jsonl", JSONL_ROW)
+        ),
+        2,
+        ["--train_file", "instructions.jsonl there", "d.jsonl here"],
+    ),
     "resume with another LoRA rank": Case(
         lambda c: c.args("--resume_from_checkpoint", c.copied_checkpoint(), "--lora_rank", "4"),
+        2,
+        ["other arguments", "--lora_rank 8 there, 4 here"],
+    ),
+    "resume an unrecorded checkpoint with another LoRA rank": Case(
+        lambda c: c.args("--resume_from_checkpoint", c.copied_checkpoint(without_record), "--lora_rank", "4"),
         2,
         ["does not fit", "lora_A", "[8, 64]", "[4, 64]", "--lora_rank"],
         before_load=False,
@@ -245,6 +272,14 @@ CASES = {
         callbacks=lambda: [RaiseAt(KeyboardInterrupt(), 2, partial_checkpoint=True)],
     ),
 }
+
+
+def without_record(checkpoint: Path) -> None:
+    """What a checkpoint saved by another tool (or before the run record existed) looks like."""
+    state_file = checkpoint / "trainer_state.json"
+    state = json.loads(state_file.read_text())
+    del state["stateful_callbacks"]["RunArguments"]
+    state_file.write_text(json.dumps(state))
 
 
 def truncated_gguf(folder: Path) -> Path:
@@ -311,13 +346,61 @@ def test_resume_true_continues_from_the_last_checkpoint_and_keeps_the_others(
     script, checkpoint, earlier_run, tmp_path
 ):
     output_dir = shutil.copytree(earlier_run, tmp_path / "out")
+    shutil.rmtree(output_dir / "checkpoint-2")
     kept = snapshot(output_dir / "checkpoint-1")
-    extra = ["--resume_from_checkpoint", "True", "--max_steps", "3", *SAVE_EVERY_STEP]
+    extra = ["--resume_from_checkpoint", "True", *SAVE_EVERY_STEP]
     script.main(script_args(checkpoint, output_dir, *TRAIN.split(), *extra))
     state = json.loads((output_dir / "trainer_state.json").read_text())
-    assert state["global_step"] == 3
-    assert [entry["step"] for entry in state["log_history"] if "loss" in entry] == [1, 2, 3]  # steps 1-2 resumed
+    assert state["global_step"] == 2
+    assert [entry["step"] for entry in state["log_history"] if "loss" in entry] == [1, 2]  # step 1 resumed
     assert snapshot(output_dir / "checkpoint-1") == kept
+
+
+class InterruptAfterSave(TrainerCallback):
+    """Ctrl-C right after checkpoint-`step` is complete: a run killed between two checkpoints."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_save(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            raise KeyboardInterrupt
+
+
+def test_overwrite_then_resume_continues_the_new_run_not_the_earlier_one(
+    script, checkpoint, earlier_run, tmp_path, caplog
+):
+    """Run A left checkpoint-1 and -2; run B (--overwrite_output_dir, other learning rate and seed) is stopped after
+    its checkpoint-1. A resume then continues B, and a resume with A's arguments is refused."""
+    output_dir = shutil.copytree(earlier_run, tmp_path / "out")
+    run_b = [*TRAIN.split(), *SAVE_EVERY_STEP, "--learning_rate", "5e-4", "--seed", "7", "--max_steps", "3"]
+    with pytest.raises(SystemExit) as exit_info:
+        script.main(script_args(checkpoint, output_dir, *run_b, "--overwrite_output_dir"), [InterruptAfterSave(1)])
+    assert exit_info.value.code == 130
+    assert f"removed the earlier run's checkpoint-1, checkpoint-2 from {output_dir}" in caplog.text
+    assert sorted(path.name for path in output_dir.glob("checkpoint-*")) == ["checkpoint-1"]
+    recorded = json.loads((output_dir / "checkpoint-1" / "trainer_state.json").read_text())
+    assert recorded["stateful_callbacks"]["RunArguments"]["args"]["learning_rate"] == 5e-4
+
+    with pytest.raises(SystemExit) as exit_info:  # run A's command line
+        script.main(script_args(checkpoint, output_dir, *TRAIN.split(), "--resume_from_checkpoint", "True"))
+    assert exit_info.value.code == 2
+
+    script.main(script_args(checkpoint, output_dir, *run_b, "--resume_from_checkpoint", "True"))
+    state = json.loads((output_dir / "trainer_state.json").read_text())
+    assert state["global_step"] == 3 and state["max_steps"] == 3
+    assert [entry["learning_rate"] for entry in state["log_history"] if "loss" in entry][0] == pytest.approx(5e-4)
+
+
+def test_resuming_a_checkpoint_without_a_record_says_it_cannot_check(
+    script, checkpoint, earlier_run, tmp_path, caplog
+):
+    output_dir = shutil.copytree(earlier_run, tmp_path / "out")
+    shutil.rmtree(output_dir / "checkpoint-2")
+    without_record(output_dir / "checkpoint-1")
+    script.main(script_args(checkpoint, output_dir, *TRAIN.split(), "--resume_from_checkpoint", "True"))
+    assert "holds no record of its run's arguments" in caplog.text
+    assert json.loads((output_dir / "trainer_state.json").read_text())["global_step"] == 2
 
 
 def test_results_replace_a_symlink_instead_of_writing_through_it(script, checkpoint, tmp_path):
@@ -377,7 +460,7 @@ def wait_for(path: Path, process: subprocess.Popen, timeout: float = 180) -> Non
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL], ids=["SIGINT", "kill -9"])
 def test_training_killed_then_resumed_loses_nothing(script, checkpoint, tmp_path, sig):
     output_dir = tmp_path / "out"
-    process = start_training(checkpoint, output_dir, "--max_steps", "100000")
+    process = start_training(checkpoint, output_dir, "--max_steps", "30")
     wait_for(output_dir / "checkpoint-2" / "trainer_state.json", process)
     process.send_signal(sig)
     _, stderr = process.communicate(timeout=120)
@@ -396,15 +479,15 @@ def test_training_killed_then_resumed_loses_nothing(script, checkpoint, tmp_path
         for path in output_dir.glob("checkpoint-*")
         if (path / "trainer_state.json").is_file()
     )
-    last = complete[-1]
+    assert complete and complete[-1] < 30, complete  # stopped before its end
     kept = {step: snapshot(output_dir / f"checkpoint-{step}") for step in complete}
 
     # The rerun's exit status is not the point: in-process.
-    resume = ["--resume_from_checkpoint", "True", "--max_steps", str(last + 2)]
+    resume = ["--resume_from_checkpoint", "True", "--max_steps", "30"]  # the same run: refused otherwise
     script.main(script_args(checkpoint, output_dir, *TRAIN.split(), *SAVE_EVERY_STEP, *resume))
     state = json.loads((output_dir / "trainer_state.json").read_text())
-    assert state["global_step"] == last + 2
-    assert [entry["step"] for entry in state["log_history"] if "loss" in entry] == list(range(1, last + 3))
+    assert state["global_step"] == 30
+    assert [entry["step"] for entry in state["log_history"] if "loss" in entry] == list(range(1, 31))
     assert (output_dir / ADAPTER).is_file()
     for step, files in kept.items():
         assert snapshot(output_dir / f"checkpoint-{step}") == files, step

@@ -35,7 +35,7 @@ from transformers import (
     set_seed,
 )
 
-from optimum.habana.example_support import adapters, distributed, failures, finetuning, outputs
+from optimum.habana.example_support import adapters, distributed, failures, finetuning, outputs, run_record
 from optimum.habana.example_support.arguments import AttentionArguments, check_finite_numbers, check_seed
 from optimum.habana.utils import devices
 from optimum.habana.utils.atomic import atomic_write_text
@@ -203,20 +203,26 @@ def run(
         flags = finetuning.attention_flags_from(attention_args)
         check_arguments(data_args, generation_args, training_args)
         resume = outputs.parse_resume_value(training_args.resume_from_checkpoint)
+        check_overwrite_and_resume(output_args.overwrite_output_dir, resume, training_args.output_dir)
         # Under torchrun one process at a time: another's write probe would make the folder look non-empty.
         with training_args.main_process_first(desc="checking the output folder"):
             output_dir = outputs.prepare_output_dir(
                 training_args.output_dir, overwrite=output_args.overwrite_output_dir, resuming=resume is not None
             )
+            if output_args.overwrite_output_dir and training_args.should_save:
+                remove_earlier_checkpoints(output_dir)
         progress.output_dir = output_dir
+        if data_args.train_file is None and data_args.dataset_name is None:
+            data_args.train_file = str(DEFAULT_TRAIN_FILE)
+        train_file = data_args.train_file
+        arguments_of_this_run = run_record.run_arguments(model_args, data_args, lora_args, training_args)
         checkpoint = outputs.resolve_checkpoint(resume, output_dir)
         if checkpoint is not None:
             if not training_args.do_train:
                 raise finetuning.FineTuningError("--resume_from_checkpoint continues a training: pass --do_train.")
             adapters.check_adapter_folder(checkpoint, "--resume_from_checkpoint")
-        train_file = data_args.train_file
-        if train_file is None and data_args.dataset_name is None:
-            train_file = str(DEFAULT_TRAIN_FILE)
+            if problem := run_record.resume_problem(checkpoint, arguments_of_this_run):
+                raise finetuning.FineTuningError(f"--resume_from_checkpoint: {problem}")
         progress.phase = "loading the data"
         raw_datasets, data_format = finetuning.load_raw_datasets(
             train_file=train_file,
@@ -281,7 +287,8 @@ def run(
         eval_dataset=datasets.get("validation") if training_args.do_eval else None,
         processing_class=tokenizer,
         data_collator=DataCollatorForSeq2Seq(tokenizer, label_pad_token_id=finetuning.IGNORE_INDEX),
-        callbacks=callbacks,
+        # Saved in every checkpoint, so that a resume can tell this run's checkpoints from another run's.
+        callbacks=[run_record.RunArguments(**arguments_of_this_run), *(callbacks or [])],
     )
     device = training_args.device
     metrics: dict[str, Any] = {}
@@ -364,6 +371,29 @@ def check_arguments(
         raise finetuning.FineTuningError("Nothing to do: pass --do_train, --do_eval and/or --generation_samples N.")
     if problem := distributed.data_parallel_launch_problem(training_args.use_cpu, launch_environment()):
         raise finetuning.FineTuningError(problem)
+
+
+def check_overwrite_and_resume(overwrite: bool, resume: str | bool | None, output_dir: str) -> None:
+    """--overwrite_output_dir starts afresh, removing the earlier checkpoints: it cannot also resume from them."""
+    if not overwrite or resume is None:
+        return
+    inside = resume is True or Path(output_dir).expanduser().resolve() in Path(resume).expanduser().resolve().parents
+    if inside:
+        raise finetuning.FineTuningError(
+            f"--overwrite_output_dir and --resume_from_checkpoint {resume} contradict each other: the first starts a "
+            f"new run and removes the checkpoints in {output_dir}, the second continues from one of them. Choose one."
+        )
+
+
+def remove_earlier_checkpoints(output_dir: Path) -> None:
+    """What --overwrite_output_dir does first: no later --resume_from_checkpoint can continue the earlier run."""
+    removed = outputs.remove_checkpoints(output_dir)
+    if removed:
+        logger.warning(
+            "--overwrite_output_dir: removed the earlier run's %s from %s, so that no resume continues that run.",
+            ", ".join(removed),
+            output_dir,
+        )
 
 
 def write_metrics(folder: Path, split: str, split_metrics: dict[str, Any], run_metrics: dict[str, Any]) -> None:

@@ -134,6 +134,21 @@ def last_complete_checkpoint(output_dir: Path, remove_incomplete: bool = False) 
     return None
 
 
+def remove_checkpoints(output_dir: Path) -> list[str]:
+    """Remove every `checkpoint-N` folder (an earlier run's, on --overwrite_output_dir); returns their names.
+
+    Each is first renamed to a staging name (atomic), so a run killed meanwhile leaves no half-removed checkpoint
+    that a resume could take for complete: the next run removes the renamed folder as stale staging.
+    """
+    removed = []
+    for checkpoint in checkpoints(output_dir):
+        doomed = make_staging_folder(output_dir, STAGING_PREFIX)
+        os.replace(checkpoint, doomed / checkpoint.name)
+        shutil.rmtree(doomed, ignore_errors=True)
+        removed.append(checkpoint.name)
+    return removed
+
+
 def remove_incomplete_checkpoints(output_dir: Path, keep: set[str]) -> list[Path]:
     """Remove the checkpoint folders not in `keep` that are incomplete: what an interrupted run was writing."""
     removed = []
@@ -181,6 +196,7 @@ __all__ = [
     "prepare_output_dir",
     "publish",
     "publishing",
+    "remove_checkpoints",
     "remove_incomplete_checkpoints",
     "resolve_checkpoint",
 ]
