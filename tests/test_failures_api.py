@@ -24,6 +24,7 @@ from optimum.habana.utils import atomic, model_loading
 from optimum.habana.utils.atomic import atomic_write_text
 from optimum.habana.utils.model_loading import CACHE_ENV_VAR, ModelResolutionError, resolve_model
 from optimum.habana.utils.pretrained import load_model_and_tokenizer
+from optimum.habana.utils.weight_files import weight_file_problem
 
 from .test_model_loading import write_gguf
 from .test_run_lora_clm import build_tokenizer, save_tiny_checkpoint
@@ -84,7 +85,75 @@ class Numbers:
     steps: int = 3
 
 
+def damaged_copy(tmp: Path, model: Path, damage: Callable[[Path], object]) -> Path:
+    folder = Path(shutil.copytree(model, tmp / "damaged"))
+    damage(folder)
+    return folder
+
+
+def truncate_to_half(path: Path) -> None:
+    os.truncate(path, path.stat().st_size // 2)
+
+
+def shard(folder: Path) -> None:
+    """One shard listed in an index, as save_pretrained writes large models, and a second shard that is missing."""
+    (folder / "model.safetensors").rename(folder / "model-00001-of-00002.safetensors")
+    weight_map = {"lm_head.weight": "model-00001-of-00002.safetensors", "x": "model-00002-of-00002.safetensors"}
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+
+def as_pytorch_bin(folder: Path) -> None:
+    from safetensors.torch import load_file
+
+    torch.save(load_file(folder / "model.safetensors"), folder / "pytorch_model.bin")
+    (folder / "model.safetensors").unlink()
+
+
+def unknown_dtype(folder: Path) -> None:
+    """Damage only the header's content, not its length: what the header check cannot see, but loading does."""
+    path = folder / "model.safetensors"
+    path.write_bytes(path.read_bytes().replace(b'"F32"', b'"Q32"', 1))
+
+
 CASES = {
+    "truncated model.safetensors": Case(
+        lambda tmp, model, adapter: resolve_model(
+            str(damaged_copy(tmp, model, lambda f: truncate_to_half(f / "model.safetensors")))
+        ),
+        ModelResolutionError,
+        ["damaged/model.safetensors is truncated", "bytes of the", "the checkpoint is damaged"],
+    ),
+    "model.safetensors with a junk header": Case(
+        lambda tmp, model, adapter: resolve_model(
+            str(damaged_copy(tmp, model, lambda f: write(f / "model.safetensors", b"\x10" + bytes(7) + b"{junk" * 4)))
+        ),
+        ModelResolutionError,
+        ["model.safetensors is damaged", "not valid safetensors JSON"],
+    ),
+    "model.safetensors shorter than its header length": Case(
+        lambda tmp, model, adapter: resolve_model(
+            str(damaged_copy(tmp, model, lambda f: write(f / "model.safetensors", b"abc")))
+        ),
+        ModelResolutionError,
+        ["model.safetensors is damaged", "3 bytes"],
+    ),
+    "sharded checkpoint with a missing shard": Case(
+        lambda tmp, model, adapter: resolve_model(str(damaged_copy(tmp, model, shard))),
+        ModelResolutionError,
+        ["model-00002-of-00002.safetensors is missing", "model.safetensors.index.json lists it"],
+    ),
+    "truncated pytorch_model.bin": Case(
+        lambda tmp, model, adapter: resolve_model(
+            str(damaged_copy(tmp, model, lambda f: (as_pytorch_bin(f), truncate_to_half(f / "pytorch_model.bin"))))
+        ),
+        ModelResolutionError,
+        ["pytorch_model.bin is truncated or damaged", "zip directory"],
+    ),
+    "model.safetensors with a damaged header of the right length": Case(
+        lambda tmp, model, adapter: load(damaged_copy(tmp, model, unknown_dtype)),
+        ModelResolutionError,
+        ["weights in", "damaged", "cannot be read", "Q32"],
+    ),
     "truncated .gguf": Case(
         lambda tmp, model, adapter: resolve_model(str(truncated_gguf(tmp))),
         ModelResolutionError,
@@ -218,6 +287,18 @@ def test_matching_adapter_and_good_values_pass(adapter_folder, model_folder):
     check_finite_numbers(Numbers(), argparse.Namespace(temperature=0.7, name="x"))
     check_seed(0)
     check_seed(2**32 - 1)
+
+
+def test_whole_checkpoints_pass_the_weight_check(model_folder, tmp_path):
+    """Single file, sharded safetensors and a torch.save archive: the check refuses only damage."""
+    assert weight_file_problem(model_folder) is None
+    model = LlamaForCausalLM.from_pretrained(model_folder)
+    model.save_pretrained(tmp_path / "sharded", max_shard_size="200KB")
+    assert len(list((tmp_path / "sharded").glob("model-*.safetensors"))) > 1
+    assert weight_file_problem(tmp_path / "sharded") is None
+    bin_folder = damaged_copy(tmp_path, model_folder, as_pytorch_bin)
+    assert weight_file_problem(bin_folder) is None
+    load(bin_folder)
 
 
 # --- atomic writes -----------------------------------------------------------------------------------------------

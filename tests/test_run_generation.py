@@ -545,6 +545,10 @@ def bad_model_inputs(tiny_checkpoint: Path, folder: Path) -> dict[str, tuple[lis
             ["--model_name_or_path", str(tiny_checkpoint), "--prompt", "word " * 100, "--max_new_tokens", "50"],
             "the longest prompt",
         ),
+        "truncated model weights": (
+            ["--model_name_or_path", str(truncated_weights_copy(tiny_checkpoint, folder))],
+            "model.safetensors is truncated",
+        ),
         "chat without a template": (["--model_name_or_path", str(no_template), "--chat"], "no chat template"),
         "missing adapter": (
             ["--model_name_or_path", str(tiny_checkpoint), "--peft_model", str(folder / "nothing")],
@@ -552,6 +556,14 @@ def bad_model_inputs(tiny_checkpoint: Path, folder: Path) -> dict[str, tuple[lis
         ),
         **bad_adapters(tiny_checkpoint, folder),
     }
+
+
+def truncated_weights_copy(checkpoint: Path, folder: Path) -> Path:
+    copy = folder / "truncated_weights"
+    if not copy.exists():
+        shutil.copytree(checkpoint, copy)
+        os.truncate(copy / "model.safetensors", (copy / "model.safetensors").stat().st_size - 100)
+    return copy
 
 
 def bad_adapters(tiny_checkpoint: Path, folder: Path) -> dict[str, tuple[list[str], str]]:

@@ -247,6 +247,12 @@ CASES = {
         ["no-tokenizer", "has no tokenizer", "tokenizer.save_pretrained"],
         before_load=False,
     ),
+    "truncated model.safetensors": Case(
+        lambda c: c.args(model=truncated_weights(c)),
+        2,
+        ["truncated_weights/model.safetensors is damaged or truncated", "header claims", "the checkpoint is damaged"],
+        before_load=False,
+    ),
     "truncated .gguf": Case(
         lambda c: c.args(model=truncated_gguf(c.tmp)), 2, ["truncated.gguf", "truncated or damaged"], before_load=False
     ),
@@ -280,6 +286,12 @@ def without_record(checkpoint: Path) -> None:
     state = json.loads(state_file.read_text())
     del state["stateful_callbacks"]["RunArguments"]
     state_file.write_text(json.dumps(state))
+
+
+def truncated_weights(context: Context) -> Path:
+    copy = Path(shutil.copytree(context.checkpoint, context.tmp / "truncated_weights"))
+    os.truncate(copy / "model.safetensors", 1000)
+    return copy
 
 
 def truncated_gguf(folder: Path) -> Path:

@@ -34,6 +34,7 @@ from huggingface_hub import snapshot_download
 from . import cache_manifest
 from .atomic import current_umask
 from .staging import STAGING_SUFFIX, make_staging_folder, remove_stale_staging
+from .weight_files import weight_file_problem
 
 
 logger = logging.getLogger(__name__)
@@ -130,6 +131,7 @@ def resolve_model(model_name_or_path: str | None) -> ResolvedModel:
                 f"The folder {value!r} has no config.json, so it is not a transformers checkpoint. "
                 f"Pass a folder written by save_pretrained. {_HINT}"
             )
+        check_weight_files(local)
         return ResolvedModel(path=local, source="local", description=f"local checkpoint {local}", converted=False)
 
     if local.is_file():
@@ -143,7 +145,14 @@ def resolve_model(model_name_or_path: str | None) -> ResolvedModel:
         raise ModelResolutionError(f"The path {value!r} does not exist. {_HINT}")
 
     path = _download_from_hub(value)
+    check_weight_files(path)
     return ResolvedModel(path=path, source="hub", description=f"{value} (hub snapshot at {path})", converted=False)
+
+
+def check_weight_files(folder: Path) -> None:
+    """Refuse a checkpoint whose weight files are truncated or damaged, before anything loads them."""
+    if problem := weight_file_problem(folder):
+        raise ModelResolutionError(f"{problem}: the checkpoint is damaged. Save or download it again.")
 
 
 def _looks_like_path(value: str) -> bool:

@@ -5,6 +5,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from transformers import AutoConfig, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from ..transformers.models import GAUDI_CAUSAL_LM_CLASSES, supported_model_types
@@ -40,7 +41,14 @@ def load_model_and_tokenizer(
             f"{', '.join(supported_model_types())}."
         )
     tokenizer = load_tokenizer(resolved)
-    model = model_class.from_pretrained(resolved.path, dtype=dtype, **from_pretrained_kwargs).to(device).eval()
+    try:
+        model = model_class.from_pretrained(resolved.path, dtype=dtype, **from_pretrained_kwargs)
+    except SafetensorError as error:  # damage the header check cannot see (a corrupted header of the right size)
+        raise ModelResolutionError(
+            f"The weights in {str(resolved.path)!r} cannot be read ({error}): the checkpoint is damaged. Save or "
+            "download it again."
+        ) from None
+    model = model.to(device).eval()
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return LoadedModel(model, tokenizer, resolved, time.perf_counter() - start)
