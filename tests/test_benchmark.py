@@ -6,6 +6,8 @@ numbers, and the OOM and timeout cells. The workers are separate processes, as i
 
 import importlib.util
 import json
+import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -152,6 +154,62 @@ def test_bad_arguments_are_usage_errors_before_any_run(script, argv, message, ca
     assert exit_info.value.code == 2
     error = capsys.readouterr().err
     assert message in error and "Traceback" not in error
+
+
+def bad_setup(tmp_path: Path, checkpoint: Path) -> dict[str, tuple[list[str], str]]:
+    taken = tmp_path / "taken"
+    taken.write_text("x")
+    truncated = Path(shutil.copytree(checkpoint, tmp_path / "truncated"))
+    os.truncate(truncated / "model.safetensors", 1000)
+    return {
+        "output_dir is a file": (["--output_dir", str(taken)], f"--output_dir '{taken}' is a file"),
+        "output_dir cannot be created": (["--output_dir", str(taken / "sub")], "cannot be written"),
+        "mistyped preset": (
+            ["--model_name_or_path", "llama2-13b-attn"],
+            "'llama2-13b-attn' is not a preset: did you mean 'llama2-7b-attn'? The presets are llama2-7b-attn, "
+            "llama3-8b-attn, smollm2-attn.",
+        ),
+        "truncated weights": (["--model_name_or_path", str(truncated)], "model.safetensors is damaged or truncated"),
+    }
+
+
+def test_bad_setup_is_refused_before_the_first_row(script, checkpoint, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+    def no_run(*args, **kwargs):
+        raise AssertionError("a row was measured before the bad setup was refused")
+
+    monkeypatch.setattr(benchmark, "run_worker", no_run)
+    for name, (argv, message) in bad_setup(tmp_path, checkpoint).items():
+        if "--model_name_or_path" not in argv:
+            argv = ["--model_name_or_path", str(checkpoint), *argv]
+        with pytest.raises(SystemExit) as exit_info:
+            script.main(argv)
+        error = capsys.readouterr().err
+        assert exit_info.value.code == 2, name
+        assert message in error and "Traceback" not in error, (name, error)
+
+
+def test_a_failed_run_fails_the_benchmark_and_is_named(script, checkpoint, tmp_path, capsys):
+    """Weights whose header has the right length but a damaged content: only loading them (in the worker) fails."""
+    damaged = Path(shutil.copytree(checkpoint, tmp_path / "damaged"))
+    weights = damaged / "model.safetensors"
+    weights.write_bytes(weights.read_bytes().replace(b'"F32"', b'"Q32"', 1))
+    argv = ["--model_name_or_path", str(damaged), "--batch_sizes", "1", "--max_input_tokens", "8"]
+    argv += ["--max_new_tokens", "2", "--no_floor", "--warmup", "0", "--n_iterations", "1"]
+    argv += ["--output_dir", str(tmp_path / "results")]
+    assert script.main(argv) == 1
+    error_lines = capsys.readouterr().err.strip().splitlines()
+    failed = [line for line in error_lines if line.startswith("benchmark_flash_attention.py: failed: ")]
+    assert len(failed) == 2
+    assert all("BS 1, 8 input tokens, 2 new" in line and "Q32" in line for line in failed)
+    assert {"default path" in line for line in failed} == {True, False}
+    assert error_lines[-1] == (
+        "benchmark_flash_attention.py: error: 2 run(s) failed for a reason other than OOM or timeout (above); their "
+        "cells say 'error'."
+    )
+    results = json.loads((tmp_path / "results" / "results.json").read_text())
+    assert results["table"][0]["Default throughput [tokens/s]"] == "error"
 
 
 def test_compared_paths_are_stock_transformers_and_alternate(checkpoint):

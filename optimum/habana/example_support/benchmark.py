@@ -7,6 +7,7 @@ comes from the same run of this script.
 """
 
 import csv
+import difflib
 import io
 import json
 import os
@@ -29,6 +30,7 @@ from ..utils.devices import DEVICE_CHOICES, default_dtype, resolve_device
 from ..utils.model_loading import DEFAULT_MODEL_NAME, ModelResolutionError
 from .benchmark_models import PRESETS, ModelSpec, checkpoint_path
 from .benchmark_worker import RESULT_MARKER
+from .outputs import OutputDirError, writable_folder
 from .text_generation import environment_versions
 
 
@@ -189,7 +191,7 @@ def check_models(arguments: BenchmarkArguments) -> list[ModelSpec]:
     for name in arguments.model_name_or_path:
         spec = ModelSpec(name, arguments.preset_layers, arguments.preset_intermediate_size)
         if not spec.is_preset:
-            positions = getattr(AutoConfig.from_pretrained(checkpoint_path(name)), "max_position_embeddings", None)
+            positions = getattr(AutoConfig.from_pretrained(resolve_checkpoint(name)), "max_position_embeddings", None)
             if positions is not None and longest > positions:
                 raise ValueError(
                     f"--model_name_or_path {name}: --max_input_tokens + --max_new_tokens reaches {longest} tokens, "
@@ -197,6 +199,21 @@ def check_models(arguments: BenchmarkArguments) -> list[ModelSpec]:
                 )
         specs.append(spec)
     return specs
+
+
+def resolve_checkpoint(name: str) -> Path:
+    """The model's folder; a name that is no model but close to a preset (a typo) is told the presets first."""
+    try:
+        return checkpoint_path(name)
+    except ModelResolutionError as error:
+        close = difflib.get_close_matches(name, PRESETS, n=1, cutoff=0.75)
+        if not close and not name.endswith("-attn"):
+            raise
+        guess = f"did you mean {close[0]!r}? " if close else ""
+        raise ModelResolutionError(
+            f"--model_name_or_path {name!r} is not a preset: {guess}The presets are {', '.join(PRESETS)}. "
+            f"(As a model it could not be found: {error})"
+        ) from None
 
 
 def grid(specs: Sequence[ModelSpec], arguments: BenchmarkArguments) -> list[Row]:
@@ -504,13 +521,12 @@ def write_results(
 def run(arguments: BenchmarkArguments, parser: HfArgumentParser) -> int:
     try:
         device = resolve_device(arguments.device)
+        # Before the first row: a folder that cannot take the results would lose every measurement.
+        output_dir = writable_folder(arguments.output_dir) if arguments.output_dir else None
         specs = check_models(arguments)
-    except (ModelResolutionError, ValueError, OSError) as error:
+    except (ModelResolutionError, OutputDirError, ValueError, OSError) as error:
         usage_error(parser, str(error))
     dtype = default_dtype(device) if arguments.bf16 is None else (torch.bfloat16 if arguments.bf16 else torch.float32)
-    output_dir = Path(arguments.output_dir) if arguments.output_dir else None
-    if output_dir:
-        output_dir.mkdir(parents=True, exist_ok=True)
     budget = memory_budget_bytes(arguments, device)
     rows = grid(specs, arguments)
     print(
@@ -564,13 +580,32 @@ def run(arguments: BenchmarkArguments, parser: HfArgumentParser) -> int:
             f"\nAttention only, causal prefill of {arguments.kernel_tokens} tokens, {KERNEL_HEADS} heads of "
             f"{KERNEL_HEAD_DIM}:\n{kernel_table(kernel)}"
         )
-    for record in records:
-        for path, result in record["paths"].items():
-            if result["status"] not in ("ok", "oom", "timeout"):
-                print(
-                    f"error in {record['model']} BS {record['batch_size']} {path}: {result['error']}", file=sys.stderr
-                )
     if output_dir:
         written = write_results(output_dir, arguments, device, dtype, records, kernel, complete=True)
         print(f"\nWritten: {', '.join(str(path) for path in written)}")
+    failures = failed_runs(records, kernel)
+    for failure in failures:
+        print(f"{parser.prog}: failed: {failure}", file=sys.stderr)
+    if failures:
+        # OOM and timeouts are measurements (the table shows them); any other failure is a broken run.
+        print(
+            f"{parser.prog}: error: {len(failures)} run(s) failed for a reason other than OOM or timeout (above); "
+            "their cells say 'error'.",
+            file=sys.stderr,
+        )
+        return 1
     return 0
+
+
+def failed_runs(records: Sequence[dict[str, Any]], kernel: dict[str, Any] | None) -> list[str]:
+    """Each run that ended in an error (not OOM, not a timeout), said with its row and path."""
+    failures = [
+        f"{record['model']} BS {record['batch_size']}, {record['max_input_tokens']} input tokens, "
+        f"{record['max_new_tokens']} new, {path} path: {result['error']}"
+        for record in records
+        for path, result in record["paths"].items()
+        if result["status"] not in ("ok", "oom", "timeout")
+    ]
+    if kernel is not None and kernel.get("status") not in ("ok", "oom", "timeout"):
+        failures.append(f"attention kernel report: {kernel.get('error')}")
+    return failures

@@ -40,17 +40,7 @@ def prepare_output_dir(output_dir: str, *, overwrite: bool, resuming: bool) -> P
     A folder that holds anything (other than staging folders of killed runs) is refused unless the user said
     `--overwrite_output_dir` or `--resume_from_checkpoint`: an earlier run's adapter is never replaced silently.
     """
-    path = Path(output_dir).expanduser()
-    if path.exists() and not path.is_dir():
-        raise OutputDirError(f"--output_dir {output_dir!r} is a file, not a folder; pass a folder.")
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=path):
-            pass
-    except OSError as error:
-        raise OutputDirError(
-            f"--output_dir {output_dir!r} cannot be written ({error.strerror or error}); pass a folder you can write to."
-        ) from None
+    path = writable_folder(output_dir)
     for stale in remove_stale_staging(path, STAGING_PREFIX):
         logger.info("Removed %s, left by a killed run.", stale)
     contents = sorted(entry.name for entry in path.iterdir() if not entry.name.startswith(STAGING_PREFIX))
@@ -61,6 +51,22 @@ def prepare_output_dir(output_dir: str, *, overwrite: bool, resuming: bool) -> P
             "--overwrite_output_dir to replace its files, --resume_from_checkpoint True to continue from its last "
             "checkpoint, or another --output_dir."
         )
+    return path
+
+
+def writable_folder(output_dir: str, flag: str = "--output_dir") -> Path:
+    """Create the folder if needed and prove it can be written (a temporary file), before any work goes into it."""
+    path = Path(output_dir).expanduser()
+    if path.exists() and not path.is_dir():
+        raise OutputDirError(f"{flag} {output_dir!r} is a file, not a folder; pass a folder.")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as error:
+        raise OutputDirError(
+            f"{flag} {output_dir!r} cannot be written ({error.strerror or error}); pass a folder you can write to."
+        ) from None
     return path
 
 
@@ -199,4 +205,5 @@ __all__ = [
     "remove_checkpoints",
     "remove_incomplete_checkpoints",
     "resolve_checkpoint",
+    "writable_folder",
 ]
