@@ -2,12 +2,14 @@
 
 import functools
 import json
+import os
 import re
 import sys
 import types
 
 import pytest
 import torch
+from peft import LoraConfig, get_peft_model
 from torch._dynamo.utils import counters
 
 from optimum.habana import GaudiLlamaForCausalLM, hpu
@@ -26,12 +28,14 @@ from optimum.habana.utils import model_loading
 
 from .test_run_generation import (  # noqa: F401 (fixtures)
     _use_module_cache,
+    bad_model_inputs,
     cache_dir,
     outputs,
     run_in_process,
     script,
     tiny_argv,
     tiny_checkpoint,
+    write_gguf,
 )
 from .utils import tiny_config
 
@@ -404,6 +408,32 @@ def test_explain_on_a_soft_capping_family_names_the_fallback(tmp_path):
     ]
     text = explain(parse(argv))
     assert "soft-capped logits" in text and "fused kernel," not in text.split("Flags:")[0]
+
+
+def test_explain_refuses_what_a_real_run_refuses(script, tiny_checkpoint, tmp_path, capsys):
+    """Every bad model, adapter or prompt input of the run's table, plus a model folder given as the adapter and a
+    truncated .gguf: --explain exits 2 with the real run's message, and explains a good adapter."""
+    cases = bad_model_inputs(tiny_checkpoint, tmp_path)
+    cases["model folder as adapter"] = (
+        ["--model_name_or_path", str(tiny_checkpoint), "--peft_model", str(tiny_checkpoint)],
+        "has no adapter_config.json, so it holds no PEFT adapter",
+    )
+    truncated = write_gguf(tmp_path / "cut.gguf", "llama")
+    os.truncate(truncated, truncated.stat().st_size - 64)
+    cases["truncated gguf"] = (["--model_name_or_path", str(truncated)], "cut.gguf' is not a valid GGUF file")
+    for name, (argv, message) in cases.items():
+        for extra in ([], ["--explain"]):
+            with pytest.raises(SystemExit) as exit_info:
+                script.main([*argv, *extra])
+            stderr = capsys.readouterr().err
+            assert exit_info.value.code == 2, (name, extra)
+            assert message in stderr and "Traceback" not in stderr, (name, extra, stderr)
+
+    adapter = tmp_path / "good_adapter"
+    model = GaudiLlamaForCausalLM.from_pretrained(tiny_checkpoint)
+    get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj"])).save_pretrained(adapter)
+    text = explain_text(tiny_checkpoint, "--peft_model", str(adapter))
+    assert f"Adapter: {adapter} (LORA, fits the model), merged into the weights" in text
 
 
 def test_explain_exits_before_loading(script, tiny_checkpoint, capsys):

@@ -549,6 +549,10 @@ def bad_model_inputs(tiny_checkpoint: Path, folder: Path) -> dict[str, tuple[lis
             ["--model_name_or_path", str(truncated_weights_copy(tiny_checkpoint, folder))],
             "model.safetensors is truncated",
         ),
+        "prompt file of NUL bytes": (
+            ["--model_name_or_path", str(tiny_checkpoint), "--prompt_file", str(nul_file(folder))],
+            "nul.txt' is not text: it holds NUL bytes (the first at character 1). Pass a text file.",
+        ),
         "chat without a template": (["--model_name_or_path", str(no_template), "--chat"], "no chat template"),
         "missing adapter": (
             ["--model_name_or_path", str(tiny_checkpoint), "--peft_model", str(folder / "nothing")],
@@ -556,6 +560,12 @@ def bad_model_inputs(tiny_checkpoint: Path, folder: Path) -> dict[str, tuple[lis
         ),
         **bad_adapters(tiny_checkpoint, folder),
     }
+
+
+def nul_file(folder: Path) -> Path:
+    path = folder / "nul.txt"
+    path.write_bytes(bytes(4096))
+    return path
 
 
 def truncated_weights_copy(checkpoint: Path, folder: Path) -> Path:

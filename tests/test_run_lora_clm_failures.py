@@ -162,6 +162,21 @@ CASES = {
         2,
         ["d.jsonl", "not UTF-8", "line 2", "\\xe9"],
     ),
+    "NUL bytes in the data": Case(
+        lambda c: c.args("--train_file", c.file("d.txt", b"flash attention\n" + bytes(4096))),
+        2,
+        ["d.txt", "is not text: line 2 holds a NUL byte at column 1"],
+    ),
+    "--max_seq_length beyond the model's positions": Case(
+        lambda c: c.args("--max_seq_length", "4096"),
+        2,
+        ["--max_seq_length 4096 is beyond the model's 2048 positions", "--max_seq_length 2048 or less"],
+    ),
+    "--max_seq_length 1e9 with packing": Case(
+        lambda c: c.args("--max_seq_length", str(10**9), "--dataset_concatenation"),
+        2,
+        [f"--max_seq_length {10**9} is beyond"],
+    ),
     "unknown LoRA target": Case(
         lambda c: c.args("--lora_target_modules", "q_proj", "v_prj"),
         2,

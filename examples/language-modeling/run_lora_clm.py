@@ -28,6 +28,7 @@ from typing import Any, NoReturn
 
 import torch
 from transformers import (
+    AutoConfig,
     DataCollatorForSeq2Seq,
     HfArgumentParser,
     TrainerCallback,
@@ -40,7 +41,7 @@ from optimum.habana.example_support.arguments import AttentionArguments, check_f
 from optimum.habana.utils import devices
 from optimum.habana.utils.atomic import atomic_write_text
 from optimum.habana.utils.distributed import launch_environment
-from optimum.habana.utils.model_loading import ModelResolutionError
+from optimum.habana.utils.model_loading import ModelResolutionError, ResolvedModel, resolve_model
 from optimum.habana.utils.pretrained import load_model_and_tokenizer
 
 
@@ -212,6 +213,11 @@ def run(
             if output_args.overwrite_output_dir and training_args.should_save:
                 remove_earlier_checkpoints(output_dir)
         progress.output_dir = output_dir
+        progress.phase = "loading the model"
+        # Under torchrun the first process of each machine resolves (converts a .gguf once); the others then load.
+        with training_args.main_process_first(local=True, desc="resolving the model"):
+            resolved = resolve_model(model_args.model_name_or_path)
+        check_max_seq_length(data_args.max_seq_length, resolved)
         if data_args.train_file is None and data_args.dataset_name is None:
             data_args.train_file = str(DEFAULT_TRAIN_FILE)
         train_file = data_args.train_file
@@ -245,9 +251,9 @@ def run(
         set_seed(training_args.seed)
         dtype = resolve_dtype(model_args.torch_dtype, training_args)
         progress.phase = "loading the model"
-        # Under torchrun the first process of each machine resolves (converts a .gguf once); the others then load.
-        with training_args.main_process_first(local=True, desc="loading the model"):
-            loaded = load_model_and_tokenizer(model_args.model_name_or_path, dtype=dtype, device=training_args.device)
+        loaded = load_model_and_tokenizer(
+            model_args.model_name_or_path, dtype=dtype, device=training_args.device, resolved=resolved
+        )
         model, tokenizer = loaded.model, loaded.tokenizer
         # Before PEFT wraps the model: its forward reads the flags from here on every call.
         finetuning.set_attention_flags(model, flags)
@@ -371,6 +377,16 @@ def check_arguments(
         raise finetuning.FineTuningError("Nothing to do: pass --do_train, --do_eval and/or --generation_samples N.")
     if problem := distributed.data_parallel_launch_problem(training_args.use_cpu, launch_environment()):
         raise finetuning.FineTuningError(problem)
+
+
+def check_max_seq_length(max_seq_length: int, resolved: ResolvedModel) -> None:
+    """Longer examples than the model has positions would train on positions it never learned, or run out of memory."""
+    positions = getattr(AutoConfig.from_pretrained(resolved.path), "max_position_embeddings", None)
+    if positions is not None and max_seq_length > positions:
+        raise finetuning.FineTuningError(
+            f"--max_seq_length {max_seq_length} is beyond the model's {positions} positions (its "
+            f"max_position_embeddings): pass --max_seq_length {positions} or less. Model: {resolved.description}."
+        )
 
 
 def check_overwrite_and_resume(overwrite: bool, resume: str | bool | None, output_dir: str) -> None:

@@ -205,10 +205,23 @@ def show_library_progress() -> None:
     """Show the library's progress messages (e.g. the one-time GGUF conversion) on stderr, once per process."""
     logger = logging.getLogger("optimum.habana")
     if not logger.handlers:
-        handler = logging.StreamHandler(sys.stderr)
+        handler = CurrentStderrHandler()
         handler.setFormatter(logging.Formatter("%(message)s"))
         logger.addHandler(handler)
         logger.setLevel(logging.INFO)
+
+
+class CurrentStderrHandler(logging.StreamHandler):
+    """Writes to whatever `sys.stderr` is when a message comes, not the one it was when `main` first ran: a caller
+    that redirects stderr between two runs in one process (a notebook, a test) never gets a closed stream."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value) -> None:
+        pass  # StreamHandler.__init__ assigns it; the property above always answers
 
 
 if __name__ == "__main__":

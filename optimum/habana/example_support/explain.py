@@ -9,6 +9,7 @@ compare this account with the kernel calls that happen.
 """
 
 import dataclasses
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,7 +20,8 @@ from ..transformers.attention_flags import AttentionFlags
 from ..transformers.cache import bucketed_length
 from ..transformers.modeling_utils import padding_mask_is_all_it_needs
 from ..transformers.models import GAUDI_CAUSAL_LM_CLASSES, supported_model_types
-from ..utils.model_loading import ModelResolutionError, default_gguf_path, resolve_model
+from ..utils.model_loading import ModelResolutionError, check_gguf_file, default_gguf_path, resolve_model
+from .adapters import check_adapter_folder, check_adapter_matches
 from .text_generation import (
     ExecutionArguments,
     ScriptArguments,
@@ -65,6 +67,11 @@ def explain(arguments: ScriptArguments) -> str:
             f"{description} is a {config.model_type!r} model, which has no Gaudi class; supported model types: "
             f"{', '.join(supported_model_types())}."
         )
+    model = meta_model(model_class, config)
+    adapter = arguments.model.peft_model
+    if adapter:  # the checks of a real run, against the model built on the meta device
+        adapter_config = check_adapter_folder(adapter, "--peft_model")
+        check_adapter_matches(adapter, model, "--peft_model")
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     prompts = prompts_for_batch(prompt_pool(workload), workload.batch_size)
@@ -78,7 +85,7 @@ def explain(arguments: ScriptArguments) -> str:
     layout = kv_cache_layout(arguments, device)
     max_cache_len = input_length + workload.max_new_tokens
     flags = arguments.attention.attention_flags()
-    groups = attention_layer_groups(model_class, config)
+    groups = attention_layer_groups(model)
     rows = max(workload.num_beams, 1) * workload.batch_size
 
     lines = [
@@ -90,9 +97,13 @@ def explain(arguments: ScriptArguments) -> str:
         + ("padded on the left" if padded else "no padding")
         + f"; up to {workload.max_new_tokens} new tokens",
         f"KV cache: {layout.describe(max_cache_len)}",
-        "",
-        "Attention calls:",
     ]
+    if adapter:
+        lines.append(
+            f"Adapter: {adapter} ({adapter_config['peft_type']}, fits the model), merged into the weights before "
+            "generating: the attention calls are the base model's"
+        )
+    lines += ["", "Attention calls:"]
     for phase in phases(layout.kind, input_length, workload.max_new_tokens, padded, max_cache_len, layout):
         lines.append(
             f"  {phase.name} (q={phase.q_len}, kv={format_range(phase.kv_lengths)}"
@@ -114,8 +125,16 @@ def read_config_and_tokenizer(model_name_or_path: str | None):
     """Config, tokenizer and a description, without loading or converting weights (a .gguf: its metadata only)."""
     gguf = default_gguf_path() if model_name_or_path is None else Path(model_name_or_path).expanduser()
     if gguf.suffix.lower() == ".gguf" and gguf.is_file():
-        config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        check_gguf_file(gguf)  # a damaged file or another architecture is refused in the words of a real run
+        try:
+            config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+            tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        except (ValueError, KeyError, IndexError, OSError, struct.error) as error:
+            detail = (str(error).strip().splitlines() or [""])[0]
+            raise ModelResolutionError(
+                f"The GGUF file {str(gguf)!r} cannot be read ({type(error).__name__}: {detail}); it is damaged or "
+                "truncated, or not a GGUF model file."
+            ) from None
         return config, tokenizer, f"{gguf.name} (GGUF metadata)"
     resolved = resolve_model(model_name_or_path)
     return (
@@ -125,10 +144,14 @@ def read_config_and_tokenizer(model_name_or_path: str | None):
     )
 
 
-def attention_layer_groups(model_class: type, config) -> list[LayerGroup]:
-    """Each attention layer's window, soft-capping and scale, read from the model built on the meta device."""
+def meta_model(model_class: type, config) -> torch.nn.Module:
+    """The model's modules and shapes, with no memory and no weights."""
     with torch.device("meta"):
-        model = model_class(config)
+        return model_class(config)
+
+
+def attention_layer_groups(model: torch.nn.Module) -> list[LayerGroup]:
+    """Each attention layer's window, soft-capping and scale, read from the model built on the meta device."""
     by_settings: dict[tuple, list[int]] = {}
     attention_modules = [module for module in model.modules() if hasattr(module, "scaling")]
     for index, module in enumerate(attention_modules):

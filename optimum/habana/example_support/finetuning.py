@@ -146,9 +146,17 @@ def load_data_file(path: str, argument: str) -> Dataset:
 
 
 def check_utf8(file: Path, argument: str) -> None:
-    """Refuse a file that is not UTF-8 text, naming the line: the builders fail on it with a deep traceback."""
+    """Refuse a file that is not UTF-8 text, naming the line: the builders fail on it with a deep traceback.
+
+    NUL bytes are valid UTF-8 but mark binary data, which would otherwise train as text without a word.
+    """
     with open(file, "rb") as stream:
         for number, line in enumerate(stream, start=1):
+            if b"\x00" in line:
+                raise FineTuningError(
+                    f"{argument} {str(file)!r} is not text: line {number} holds a NUL byte at column "
+                    f"{line.index(0) + 1}. Pass a text file."
+                )
             try:
                 line.decode("utf-8")
             except UnicodeDecodeError as error:

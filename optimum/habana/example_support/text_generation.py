@@ -431,6 +431,11 @@ def prompt_pool(workload: WorkloadArguments) -> list[str]:
             ) from None
         except OSError as error:
             raise ValueError(f"--prompt_file {workload.prompt_file!r}: {error.strerror}.") from None
+        if "\x00" in text:  # valid UTF-8, but binary: it would be tokenized as thousands of tokens without a word
+            raise ValueError(
+                f"--prompt_file {workload.prompt_file!r} is not text: it holds NUL bytes (the first at character "
+                f"{text.index(chr(0)) + 1}). Pass a text file."
+            )
         if not text.strip():
             raise ValueError(f"--prompt_file {workload.prompt_file!r} is empty: give some text for the model.")
         return [text]

@@ -187,13 +187,7 @@ def _cached_gguf_checkpoint(gguf_path: Path) -> tuple[Path, bool]:
     if problem != cache_manifest.ABSENT:
         logger.warning("The cached model %s is damaged or incomplete (%s); converting it again.", target, problem)
 
-    # Checked only before converting: a complete cache folder has passed this check already.
-    architecture = _gguf_architecture(gguf_path)
-    if architecture not in SUPPORTED_GGUF_ARCHITECTURES:
-        raise ModelResolutionError(
-            f"The GGUF file {str(gguf_path)!r} has the architecture {architecture!r}; supported GGUF "
-            f"architectures: {', '.join(SUPPORTED_GGUF_ARCHITECTURES)}. {_HINT}"
-        )
+    check_gguf_file(gguf_path)  # only before converting: a complete cache folder has passed it already
 
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -289,7 +283,17 @@ def _sha256(path: Path) -> str:
     return cache_manifest.file_sha256(path)
 
 
-def _gguf_architecture(gguf_path: Path) -> str:
+def check_gguf_file(gguf_path: Path) -> None:
+    """Refuse a GGUF file that is damaged, truncated or of an architecture without a Gaudi class."""
+    architecture = gguf_architecture(gguf_path)
+    if architecture not in SUPPORTED_GGUF_ARCHITECTURES:
+        raise ModelResolutionError(
+            f"The GGUF file {str(gguf_path)!r} has the architecture {architecture!r}; supported GGUF "
+            f"architectures: {', '.join(SUPPORTED_GGUF_ARCHITECTURES)}. {_HINT}"
+        )
+
+
+def gguf_architecture(gguf_path: Path) -> str:
     """The ``general.architecture`` value in the GGUF metadata, or "unknown" when the field is missing."""
     try:
         reader = gguf.GGUFReader(gguf_path)

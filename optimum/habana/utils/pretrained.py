@@ -25,14 +25,21 @@ class LoadedModel:
 
 
 def load_model_and_tokenizer(
-    model_name_or_path: str | None, *, dtype: torch.dtype, device: torch.device, **from_pretrained_kwargs: Any
+    model_name_or_path: str | None,
+    *,
+    dtype: torch.dtype,
+    device: torch.device,
+    resolved: ResolvedModel | None = None,
+    **from_pretrained_kwargs: Any,
 ) -> LoadedModel:
     """Resolve, load and move to `device`; a family without a Gaudi class is a ModelResolutionError listing them.
 
-    `from_pretrained_kwargs` go to `from_pretrained` (e.g. `distributed_config` for tensor parallelism).
+    `resolved`: the result of an earlier `resolve_model(model_name_or_path)`, not repeated. `from_pretrained_kwargs`
+    go to `from_pretrained` (e.g. `distributed_config` for tensor parallelism).
     """
     start = time.perf_counter()
-    resolved = resolve_model(model_name_or_path)
+    if resolved is None:
+        resolved = resolve_model(model_name_or_path)
     model_type = AutoConfig.from_pretrained(resolved.path).model_type
     model_class = GAUDI_CAUSAL_LM_CLASSES.get(model_type)
     if model_class is None:
