@@ -24,7 +24,7 @@ from optimum.habana.example_support.text_generation import (
 )
 from optimum.habana.transformers import attention
 from optimum.habana.transformers.cache import BucketedStaticCache
-from optimum.habana.utils import model_loading
+from optimum.habana.utils import devices, model_loading
 
 from .test_run_generation import (  # noqa: F401 (fixtures)
     _use_module_cache,
@@ -213,6 +213,19 @@ def test_flags_without_effect_here_print_one_note(script, tiny_checkpoint, tmp_p
     assert capsys.readouterr().err.count(NOTES[flag]) == 1
     assert outputs(noted) == outputs(plain)
     torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(False)
+
+
+def test_bf16_on_a_cpu_that_emulates_it_says_so_once(script, tiny_checkpoint, tmp_path, capsys, monkeypatch):
+    note = "--bf16: bfloat16 on this CPU is emulated"
+    monkeypatch.setattr(devices, "cpu_has_native_bf16", lambda: False)
+    run_in_process(script, tiny_argv(tiny_checkpoint, "--bf16"), tmp_path / "emulated")
+    assert capsys.readouterr().err.count(note) == 1
+    run_in_process(script, tiny_argv(tiny_checkpoint), tmp_path / "float32")
+    assert note not in capsys.readouterr().err
+    monkeypatch.setattr(devices, "cpu_has_native_bf16", lambda: True)
+    run_in_process(script, tiny_argv(tiny_checkpoint, "--bf16"), tmp_path / "native")
+    assert note not in capsys.readouterr().err
+    assert devices.slow_bf16_note(torch.device("cuda"), torch.bfloat16) is None
 
 
 def test_sdp_on_bf16_sets_torchs_switch(script, tiny_checkpoint, tmp_path):

@@ -21,6 +21,7 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM, TrainerCallback
 
+from optimum.habana.utils import devices
 from optimum.habana.utils.atomic import current_umask
 from optimum.habana.utils.model_loading import CACHE_ENV_VAR
 
@@ -176,6 +177,12 @@ CASES = {
         lambda c: c.args("--max_seq_length", str(10**9), "--dataset_concatenation"),
         2,
         [f"--max_seq_length {10**9} is beyond"],
+    ),
+    "Optimum-Habana flags with --bf16": Case(
+        lambda c: c.args("--bf16", "True", "--use_habana", "--use_lazy_mode", "--throughput_warmup_steps", "3"),
+        2,
+        ["unrecognized arguments: --use_habana --use_lazy_mode --throughput_warmup_steps 3"]
+        + ([] if torch.cuda.is_available() else ["3; Your setup doesn't support bf16"]),
     ),
     "unknown LoRA target": Case(
         lambda c: c.args("--lora_target_modules", "q_proj", "v_prj"),
@@ -463,6 +470,13 @@ def test_skipped_rows_are_counted(script, checkpoint, tmp_path, caplog):
     data.write_text(JSONL_ROW * 4 + long_prompt)
     script.main(script_args(checkpoint, tmp_path / "out2", *TRAIN.split(), "--train_file", str(data)))
     assert "Skipped 1 of 5 examples" in caplog.text
+
+
+def test_bf16_on_a_cpu_that_emulates_it_is_said_once(script, checkpoint, tmp_path, caplog, monkeypatch):
+    monkeypatch.setattr(devices, "cpu_has_native_bf16", lambda: False)
+    argv = [*TRAIN.split(), "--max_steps", "1", "--use_cpu", "--bf16", "True"]
+    script.main(script_args(checkpoint, tmp_path / "out", *argv))
+    assert caplog.text.count("bfloat16 on this CPU is emulated") == 1
 
 
 # --- real signals during training, then a rerun that resumes -----------------------------------------------------

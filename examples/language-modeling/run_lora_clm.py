@@ -180,10 +180,7 @@ def main(argv: Sequence[str] | None = None, callbacks: list[TrainerCallback] | N
     loss or running out of memory exits with status 1, Ctrl-C with 130: one line each, and nothing half-written.
     """
     parser = HfArgumentParser((*ARGUMENT_CLASSES, TrainingArguments), prog=Path(__file__).name)
-    try:
-        args = Arguments(*parser.parse_args_into_dataclasses(args=argv, look_for_args_file=False))
-    except ValueError as error:  # unknown arguments, and TrainingArguments' own checks
-        usage_error(parser, str(error))
+    args = parse_arguments(parser, sys.argv[1:] if argv is None else list(argv))
     progress = Progress()
     with failures.exit_on_interrupt_or_oom(
         parser.prog,
@@ -192,6 +189,25 @@ def main(argv: Sequence[str] | None = None, callbacks: list[TrainerCallback] | N
         cleanup=lambda: remove_partial_checkpoints(progress),
     ):
         return run(parser, args, progress, callbacks)
+
+
+def parse_arguments(parser: HfArgumentParser, argv: list[str]) -> Arguments:
+    """The command line as dataclasses; every usage problem in one message, the unknown arguments first.
+
+    TrainingArguments checks its values while it is built (bf16 on a machine without GPU, say), which would
+    otherwise speak before the unknown arguments of a command line written for another tool.
+    """
+    _, unknown = parser.parse_known_args(argv)
+    problems = [f"unrecognized arguments: {' '.join(unknown)}"] if unknown else []
+    try:
+        *groups, _ = parser.parse_args_into_dataclasses(
+            args=argv, look_for_args_file=False, return_remaining_strings=True
+        )
+    except ValueError as error:  # TrainingArguments' own checks
+        problems.append(str(error).strip())
+    if problems:
+        usage_error(parser, "; ".join(problems))
+    return Arguments(*groups)
 
 
 def run(
@@ -264,6 +280,8 @@ def run(
         usage_error(parser, str(error))
 
     logger.info("Model: %s, %s, attention flags %s", loaded.resolved.description, dtype, flags)
+    if (bf16_note := devices.slow_bf16_note(training_args.device, dtype)) and training_args.local_process_index == 0:
+        logger.warning("--bf16 / --torch_dtype bfloat16: %s", bf16_note)
     if training_args.local_process_index == 0:
         model.print_trainable_parameters()
 

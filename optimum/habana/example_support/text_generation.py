@@ -33,7 +33,7 @@ from transformers.tokenization_utils_base import BatchEncoding
 from ..transformers.cache import BucketedStaticCache
 from ..transformers.generation import GaudiGenerationConfig
 from ..utils.atomic import atomic_write_text
-from ..utils.devices import DEVICE_CHOICES, default_dtype, resolve_device, synchronize
+from ..utils.devices import DEVICE_CHOICES, default_dtype, resolve_device, slow_bf16_note, synchronize
 from ..version import __version__
 from .adapters import check_adapter_folder, check_adapter_matches
 from .arguments import AttentionArguments, check_finite_numbers, check_seed
@@ -393,6 +393,8 @@ def flag_notes(arguments: ScriptArguments, device: torch.device, dtype: torch.dt
             f"--attn_batch_split {execution.attn_batch_split}: no effect here: Optimum-Habana splits the prompt's batch "
             "so that Gaudi overlaps attention and MLP; transformers' layers run the batch whole, with the same results."
         )
+    if bf16_note := slow_bf16_note(device, dtype):
+        notes.append(f"--bf16: {bf16_note}")
     if workload.prompt and len(workload.prompt) > workload.batch_size:
         unused = len(workload.prompt) - workload.batch_size
         notes.append(

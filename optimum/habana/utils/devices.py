@@ -32,6 +32,33 @@ def resolve_device(name: str = "auto") -> torch.device:
     return torch.device(name)
 
 
+# /proc/cpuinfo flags of CPUs with bfloat16 arithmetic: x86 (AVX512-BF16, AMX) and Arm (FEAT_BF16).
+NATIVE_BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16", "bf16")
+
+
+def cpu_has_native_bf16() -> bool | None:
+    """Whether this CPU computes in bfloat16 natively; None where /proc/cpuinfo cannot tell (not Linux)."""
+    try:
+        cpuinfo = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return None
+    flags = set()
+    for line in cpuinfo.splitlines():
+        if line.startswith(("flags", "Features")):
+            flags.update(line.split(":", 1)[1].split())
+    return any(flag in flags for flag in NATIVE_BF16_CPU_FLAGS)
+
+
+def slow_bf16_note(device: torch.device, dtype: torch.dtype) -> str | None:
+    """One line for bf16 on a CPU that only emulates it, or None: PyTorch then runs it many times slower than fp32."""
+    if device.type != "cpu" or dtype != torch.bfloat16 or cpu_has_native_bf16() is not False:
+        return None
+    return (
+        "bfloat16 on this CPU is emulated (no AVX512-BF16, AMX or Arm BF16 instructions): expect it to run many "
+        "times slower than float32 (13x for a training step on such a machine). Use float32 here for speed."
+    )
+
+
 def default_dtype(device: torch.device) -> torch.dtype:
     """bf16 where the hardware is built for it (HPU, CUDA), fp32 on CPU."""
     return torch.float32 if device.type == "cpu" else torch.bfloat16
