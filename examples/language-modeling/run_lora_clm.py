@@ -28,7 +28,6 @@ from typing import Any, NoReturn
 
 import torch
 from transformers import (
-    AutoConfig,
     DataCollatorForSeq2Seq,
     HfArgumentParser,
     TrainerCallback,
@@ -41,7 +40,7 @@ from optimum.habana.example_support.arguments import AttentionArguments, check_f
 from optimum.habana.utils import devices
 from optimum.habana.utils.atomic import atomic_write_text
 from optimum.habana.utils.distributed import launch_environment
-from optimum.habana.utils.model_loading import ModelResolutionError, ResolvedModel, resolve_model
+from optimum.habana.utils.model_loading import ModelResolutionError, resolve_model
 from optimum.habana.utils.pretrained import load_model_and_tokenizer
 
 
@@ -220,20 +219,20 @@ def run(
         flags = finetuning.attention_flags_from(attention_args)
         check_arguments(data_args, generation_args, training_args)
         resume = outputs.parse_resume_value(training_args.resume_from_checkpoint)
-        check_overwrite_and_resume(output_args.overwrite_output_dir, resume, training_args.output_dir)
+        outputs.check_overwrite_and_resume(output_args.overwrite_output_dir, resume, training_args.output_dir)
         # Under torchrun one process at a time: another's write probe would make the folder look non-empty.
         with training_args.main_process_first(desc="checking the output folder"):
             output_dir = outputs.prepare_output_dir(
                 training_args.output_dir, overwrite=output_args.overwrite_output_dir, resuming=resume is not None
             )
             if output_args.overwrite_output_dir and training_args.should_save:
-                remove_earlier_checkpoints(output_dir)
+                outputs.remove_earlier_checkpoints(output_dir)
         progress.output_dir = output_dir
         progress.phase = "loading the model"
         # Under torchrun the first process of each machine resolves (converts a .gguf once); the others then load.
         with training_args.main_process_first(local=True, desc="resolving the model"):
             resolved = resolve_model(model_args.model_name_or_path)
-        check_max_seq_length(data_args.max_seq_length, resolved)
+        finetuning.check_max_seq_length(data_args.max_seq_length, resolved)
         if data_args.train_file is None and data_args.dataset_name is None:
             data_args.train_file = str(DEFAULT_TRAIN_FILE)
         train_file = data_args.train_file
@@ -395,39 +394,6 @@ def check_arguments(
         raise finetuning.FineTuningError("Nothing to do: pass --do_train, --do_eval and/or --generation_samples N.")
     if problem := distributed.data_parallel_launch_problem(training_args.use_cpu, launch_environment()):
         raise finetuning.FineTuningError(problem)
-
-
-def check_max_seq_length(max_seq_length: int, resolved: ResolvedModel) -> None:
-    """Longer examples than the model has positions would train on positions it never learned, or run out of memory."""
-    positions = getattr(AutoConfig.from_pretrained(resolved.path), "max_position_embeddings", None)
-    if positions is not None and max_seq_length > positions:
-        raise finetuning.FineTuningError(
-            f"--max_seq_length {max_seq_length} is beyond the model's {positions} positions (its "
-            f"max_position_embeddings): pass --max_seq_length {positions} or less. Model: {resolved.description}."
-        )
-
-
-def check_overwrite_and_resume(overwrite: bool, resume: str | bool | None, output_dir: str) -> None:
-    """--overwrite_output_dir starts afresh, removing the earlier checkpoints: it cannot also resume from them."""
-    if not overwrite or resume is None:
-        return
-    inside = resume is True or Path(output_dir).expanduser().resolve() in Path(resume).expanduser().resolve().parents
-    if inside:
-        raise finetuning.FineTuningError(
-            f"--overwrite_output_dir and --resume_from_checkpoint {resume} contradict each other: the first starts a "
-            f"new run and removes the checkpoints in {output_dir}, the second continues from one of them. Choose one."
-        )
-
-
-def remove_earlier_checkpoints(output_dir: Path) -> None:
-    """What --overwrite_output_dir does first: no later --resume_from_checkpoint can continue the earlier run."""
-    removed = outputs.remove_checkpoints(output_dir)
-    if removed:
-        logger.warning(
-            "--overwrite_output_dir: removed the earlier run's %s from %s, so that no resume continues that run.",
-            ", ".join(removed),
-            output_dir,
-        )
 
 
 def write_metrics(folder: Path, split: str, split_metrics: dict[str, Any], run_metrics: dict[str, Any]) -> None:

@@ -19,11 +19,12 @@ import torch
 from datasets import Dataset, DatasetDict, load_dataset
 from datasets.exceptions import DatasetGenerationError
 from peft import LoraConfig, PeftModel, TaskType, get_peft_model
-from transformers import PreTrainedModel, PreTrainedTokenizerBase, Trainer
+from transformers import AutoConfig, PreTrainedModel, PreTrainedTokenizerBase, Trainer
 from transformers.pytorch_utils import Conv1D
 
 from ..transformers.attention_flags import AttentionFlags, attention_flags_of
 from ..transformers.generation import GaudiGenerationConfig
+from ..utils.model_loading import ResolvedModel
 from .arguments import AttentionArguments
 
 
@@ -103,6 +104,16 @@ def load_raw_datasets(
         split = datasets["train"].train_test_split(test_size=validation_split_percentage / 100, seed=seed)
         datasets = DatasetDict({"train": split["train"], "validation": split["test"]})
     return datasets, data_format
+
+
+def check_max_seq_length(max_seq_length: int, resolved: ResolvedModel) -> None:
+    """Longer examples than the model has positions would train on positions it never learned, or run out of memory."""
+    positions = getattr(AutoConfig.from_pretrained(resolved.path), "max_position_embeddings", None)
+    if positions is not None and max_seq_length > positions:
+        raise FineTuningError(
+            f"--max_seq_length {max_seq_length} is beyond the model's {positions} positions (its "
+            f"max_position_embeddings): pass --max_seq_length {positions} or less. Model: {resolved.description}."
+        )
 
 
 def load_data_file(path: str, argument: str) -> Dataset:

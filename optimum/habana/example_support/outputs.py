@@ -140,6 +140,29 @@ def last_complete_checkpoint(output_dir: Path, remove_incomplete: bool = False) 
     return None
 
 
+def check_overwrite_and_resume(overwrite: bool, resume: str | bool | None, output_dir: str) -> None:
+    """--overwrite_output_dir starts afresh, removing the earlier checkpoints: it cannot also resume from them."""
+    if not overwrite or resume is None:
+        return
+    inside = resume is True or Path(output_dir).expanduser().resolve() in Path(resume).expanduser().resolve().parents
+    if inside:
+        raise OutputDirError(
+            f"--overwrite_output_dir and --resume_from_checkpoint {resume} contradict each other: the first starts a "
+            f"new run and removes the checkpoints in {output_dir}, the second continues from one of them. Choose one."
+        )
+
+
+def remove_earlier_checkpoints(output_dir: Path) -> None:
+    """What --overwrite_output_dir does first: no later --resume_from_checkpoint can continue the earlier run."""
+    removed = remove_checkpoints(output_dir)
+    if removed:
+        logger.warning(
+            "--overwrite_output_dir: removed the earlier run's %s from %s, so that no resume continues that run.",
+            ", ".join(removed),
+            output_dir,
+        )
+
+
 def remove_checkpoints(output_dir: Path) -> list[str]:
     """Remove every `checkpoint-N` folder (an earlier run's, on --overwrite_output_dir); returns their names.
 
@@ -196,6 +219,7 @@ def publish(staging: Path, output_dir: Path) -> None:
 
 __all__ = [
     "OutputDirError",
+    "check_overwrite_and_resume",
     "checkpoints",
     "last_complete_checkpoint",
     "parse_resume_value",
@@ -203,6 +227,7 @@ __all__ = [
     "publish",
     "publishing",
     "remove_checkpoints",
+    "remove_earlier_checkpoints",
     "remove_incomplete_checkpoints",
     "resolve_checkpoint",
     "writable_folder",

@@ -55,7 +55,7 @@ def slow_bf16_note(device: torch.device, dtype: torch.dtype) -> str | None:
         return None
     return (
         "bfloat16 on this CPU is emulated (no AVX512-BF16, AMX or Arm BF16 instructions): expect it to run many "
-        "times slower than float32 (13x for a training step on such a machine). Use float32 here for speed."
+        "times slower than float32 (10x for a SmolLM2 training step on such a machine). Use float32 here for speed."
     )
 
 
