@@ -582,6 +582,7 @@ def bad_adapters(tiny_checkpoint: Path, folder: Path) -> dict[str, tuple[list[st
 
     cases = {}
     junk, no_weights, other_base = folder / "junk_adapter", folder / "no_weights", folder / "other_base"
+    truncated = folder / "truncated_adapter"
     if not junk.exists():
         junk.mkdir()
         (junk / "adapter_config.json").write_text("{not json")
@@ -590,10 +591,13 @@ def bad_adapters(tiny_checkpoint: Path, folder: Path) -> dict[str, tuple[list[st
         get_peft_model(wider, LoraConfig(r=4, target_modules=["q_proj", "v_proj"])).save_pretrained(other_base)
         shutil.copytree(other_base, no_weights)
         (no_weights / "adapter_model.safetensors").unlink()
+        shutil.copytree(other_base, truncated)
+        os.truncate(truncated / "adapter_model.safetensors", 100)
     for name, adapter, message in (
         ("junk adapter config", junk, "adapter_config.json is not valid JSON"),
         ("adapter without weights", no_weights, "but no weights"),
         ("adapter of another base model", other_base, "does not fit this model"),
+        ("truncated adapter weights", truncated, "truncated_adapter/adapter_model.safetensors cannot be read"),
     ):
         argv = ["--model_name_or_path", str(tiny_checkpoint), "--max_new_tokens", "4", "--peft_model", str(adapter)]
         cases[name] = (argv, message)
