@@ -8,7 +8,8 @@ transformers' SDPA mask function, so any model family that looks its attention u
 
 The mask contract (from `transformers.masking_utils`): a boolean `[B, 1, q, kv]` mask (True = attend) or an
 additive float mask, or None when causality alone is exact: "causal, top-left aligned" for q > 1, "no mask" for
-q == 1. Sliding windows and packed sequences are part of the mask, so both paths honour them by reading it.
+q == 1. Sliding windows are part of the mask, so both paths honour them by reading it; so are packed sequences,
+except in a Gaudi model, which hands the attention their lengths instead (`packing.py`).
 """
 
 import torch
@@ -18,6 +19,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from ..kernels.dispatch import FusedSDPAUnavailable, fused_sdpa, warn_once
 from .attention_flags import DEFAULT_PATH_FLAGS, AttentionFlags, call_attention_flags
+from .packing import PackedLengths, causal_window_mask, packed_causal_mask
 
 
 ATTENTION_IMPLEMENTATION = "gaudi"
@@ -61,13 +63,15 @@ def gaudi_attention_forward(
     output_attentions: bool | None = None,
     valid_sequence_lengths: torch.Tensor | None = None,
     padding_side: str = "left",
+    packed_sequence_lengths: PackedLengths | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Attention for query `[B, H, q, D]` and key/value `[B, Hkv, kv, D]`; returns `([B, q, H, D], weights)`.
 
     The flags arrive as keyword arguments from the model's forward. `valid_sequence_lengths` (int32 `[B]`) marks
     a prefill from an empty cache whose batch is padded on `padding_side`; with `flash_attention_causal_mask` the
-    fused kernel then runs causally over the real tokens instead of reading a mask.
+    fused kernel then runs causally over the real tokens instead of reading a mask. `packed_sequence_lengths`
+    marks a padding-free packed batch (`optimum.habana.transformers.packing`), which comes without a mask.
     Weights are returned by the default path only: the fused kernel never materialises them.
     """
     flags = call_attention_flags(kwargs)
@@ -78,6 +82,9 @@ def gaudi_attention_forward(
             "so it cannot honour them. This model family is not supported by optimum.habana: use transformers' own "
             "attn_implementation for it."
         )
+    if packed_sequence_lengths is not None:
+        q_len = query.shape[2]
+        key, value = key[:, :, :q_len], value[:, :, :q_len]  # a static cache's unused slots lie past the batch
     if flags.use_flash_attention:
         for name in DEFAULT_PATH_FLAGS:
             if getattr(flags, name):
@@ -86,7 +93,15 @@ def gaudi_attention_forward(
                     "only to the calls that take the default path (soft-capped logits, attention weights asked for)."
                 )
         reason = fused_path_refusal(module, softcap, output_attentions)
-        if reason is None:
+        if reason is None and packed_sequence_lengths is not None:
+            try:
+                output = packed_flash_attention(
+                    module, query, key, value, packed_sequence_lengths, scaling, dropout, flags, sliding_window
+                )
+                return output.transpose(1, 2).contiguous(), None
+            except FusedSDPAUnavailable as error:
+                reason = str(error)
+        elif reason is None:
             try:
                 output = flash_attention(
                     module,
@@ -112,6 +127,8 @@ def gaudi_attention_forward(
     if attention_mask is None and valid_sequence_lengths is not None and query.shape[2] > 1:
         # A mask-free padded prefill that ends up here needs its padding mask after all.
         attention_mask = causal_padding_mask(valid_sequence_lengths, query.shape[2], padding_side)
+    if attention_mask is None and packed_sequence_lengths is not None:
+        attention_mask = packed_causal_mask(packed_sequence_lengths, sliding_window, query.device)
     softmax_dtype = query.dtype if flags.attn_softmax_bf16 else torch.float32
     return matmul_softmax_attention(
         query,
@@ -186,6 +203,46 @@ def flash_attention(
         valid_sequence_lengths=valid_sequence_lengths,
         padding_side=padding_side,
     )
+
+
+def packed_flash_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    lengths: PackedLengths,
+    scaling: float | None,
+    dropout: float,
+    flags: AttentionFlags,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    """One causal kernel call per packed example, no mask across them; returns `[B, H, q, D]`.
+
+    An example longer than a sliding window reads its own `[length, length]` window mask: the kernels have no
+    window argument. Every call is a prefill, so the prefill-only flags apply as they do to a prompt.
+    """
+    rows = []
+    for row_index, row in enumerate(lengths):
+        outputs, start = [], 0
+        for length in row:
+            end = start + length
+            windowed = sliding_window is not None and length > sliding_window
+            outputs.append(
+                fused_sdpa(
+                    query[row_index : row_index + 1, :, start:end],
+                    key[row_index : row_index + 1, :, start:end],
+                    value[row_index : row_index + 1, :, start:end],
+                    causal_window_mask(length, sliding_window, query.device) if windowed else None,
+                    is_causal=not windowed,
+                    scale=scaling,
+                    dropout_p=dropout if module.training else 0.0,
+                    softmax_mode="fast" if flags.flash_attention_fast_softmax else "None",
+                    recompute=flags.flash_attention_recompute,
+                )
+            )
+            start = end
+        rows.append(torch.cat(outputs, dim=2))
+    return torch.cat(rows, dim=0)
 
 
 def matmul_softmax_attention(

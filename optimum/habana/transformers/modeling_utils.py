@@ -37,6 +37,7 @@ from .attention_flags import (
 )
 from .cache import BucketedStaticCache
 from .generation import GaudiGenerationConfig, GaudiGenerationMixin
+from .packing import can_run_packed, packed_sequence_lengths
 
 
 # The `attn_implementation` values a Gaudi model accepts, and the default `use_flash_attention` each one sets
@@ -161,7 +162,15 @@ class GaudiAttentionMixin(GaudiGenerationMixin):
             if self.training and getattr(self.base_model, "gradient_checkpointing", False):
                 # Checkpointed layers run forward twice; the kernel must not keep its intermediates either.
                 flags["flash_attention_recompute"] = True
-            tokens = input_ids if input_ids is not None else inputs_embeds
+        tokens = input_ids if input_ids is not None else inputs_embeds
+        packed = None
+        if can_run_packed(self.config):
+            packed = packed_sequence_lengths(position_ids, attention_mask, past_key_values, tokens, kwargs)
+        if packed is not None:
+            # Padding-free packing, flag or not: the attention isolates the examples, transformers builds no mask.
+            kwargs["packed_sequence_lengths"] = packed
+            mask_free = True
+        elif flags["use_flash_attention"]:
             # A padded prompt whose layers need nothing but causality and the padding skips transformers' mask,
             # unless the device's kernel reads it (Gaudi without the causal-mask mode).
             mask_free = padding_mask_is_all_it_needs(self.config) and not needs_padding_mask(
