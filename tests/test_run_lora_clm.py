@@ -182,6 +182,22 @@ def test_kernel_runs_every_attention_call_with_the_flag(runs, variant):
     assert run.counts[FLASH_KERNEL_CPU] > 0
 
 
+@pytest.mark.parametrize("variant", ["default", "flash"])
+def test_padding_free_batches_train_as_padded_ones(script, checkpoint, tmp_path, runs, variant):
+    """--padding_free: the same examples, losses and LoRA gradients as padded batches; with the flag the kernel
+    runs once per packed example (more calls than one per padded batch), none on the default path."""
+    padded = runs[variant]
+    flag = ["--use_flash_attention", "True" if variant == "flash" else "False"]
+    packed = run_script(script, script_args(checkpoint, tmp_path, *PARITY_ARGS.split(), *flag, "--padding_free"))
+    assert packed.losses == pytest.approx(padded.losses, abs=TOLERANCE, rel=0)
+    assert packed.metrics["eval_loss"] == pytest.approx(padded.metrics["eval_loss"], abs=TOLERANCE, rel=0)
+    for packed_step, padded_step in zip(packed.gradients, padded.gradients, strict=True):
+        for name, gradient in packed_step.items():
+            torch.testing.assert_close(gradient, padded_step[name], atol=TOLERANCE, rtol=0, msg=name)
+    if variant == "flash":
+        assert packed.counts["default"] == 0 and packed.counts["fused"] > padded.counts["fused"]
+
+
 def test_default_path_without_the_flag(runs):
     run = runs["default"]
     assert run.counts["default"] > 0

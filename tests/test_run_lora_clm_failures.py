@@ -184,6 +184,11 @@ CASES = {
         ["unrecognized arguments: --use_habana --use_lazy_mode --throughput_warmup_steps 3"]
         + ([] if torch.cuda.is_available() else ["3; Your setup doesn't support bf16"]),
     ),
+    "--padding_free with --dataset_concatenation": Case(
+        lambda c: c.args("--padding_free", "--dataset_concatenation"),
+        2,
+        ["--padding_free and --dataset_concatenation both pack the examples", "Choose one"],
+    ),
     "unknown LoRA target": Case(
         lambda c: c.args("--lora_target_modules", "q_proj", "v_prj"),
         2,

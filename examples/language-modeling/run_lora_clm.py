@@ -28,7 +28,6 @@ from typing import Any, NoReturn
 
 import torch
 from transformers import (
-    DataCollatorForSeq2Seq,
     HfArgumentParser,
     TrainerCallback,
     TrainingArguments,
@@ -95,6 +94,14 @@ class DataArguments:
         metadata={
             "help": "Pack the tokenized examples into blocks of exactly --max_seq_length tokens: no padding, "
             "and every block attends causally across example boundaries."
+        },
+    )
+    padding_free: bool = field(
+        default=False,
+        metadata={
+            "help": "Concatenate each batch's examples into one row (transformers' DataCollatorWithFlattening): no "
+            "padding, and every example attends to itself alone (with --use_flash_attention one kernel call per "
+            "example, no mask)."
         },
     )
 
@@ -309,7 +316,7 @@ def run(
         train_dataset=datasets["train"] if training_args.do_train else None,
         eval_dataset=datasets.get("validation") if training_args.do_eval else None,
         processing_class=tokenizer,
-        data_collator=DataCollatorForSeq2Seq(tokenizer, label_pad_token_id=finetuning.IGNORE_INDEX),
+        data_collator=finetuning.data_collator(tokenizer, padding_free=data_args.padding_free),
         # Saved in every checkpoint, so that a resume can tell this run's checkpoints from another run's.
         callbacks=[run_record.RunArguments(**arguments_of_this_run), *(callbacks or [])],
     )
@@ -382,6 +389,11 @@ def check_arguments(
     data_args: DataArguments, generation_args: GenerationArguments, training_args: TrainingArguments
 ) -> None:
     """Values the parser accepts but that cannot work; each is a FineTuningError naming the flag."""
+    if data_args.padding_free and data_args.dataset_concatenation:
+        raise finetuning.FineTuningError(
+            "--padding_free and --dataset_concatenation both pack the examples: --padding_free keeps each example "
+            "to itself, --dataset_concatenation lets them attend across boundaries. Choose one."
+        )
     if data_args.max_seq_length < 1:
         raise finetuning.FineTuningError(f"--max_seq_length must be at least 1, got {data_args.max_seq_length}.")
     if generation_args.generation_samples < 0:

@@ -19,7 +19,14 @@ import torch
 from datasets import Dataset, DatasetDict, load_dataset
 from datasets.exceptions import DatasetGenerationError
 from peft import LoraConfig, PeftModel, TaskType, get_peft_model
-from transformers import AutoConfig, PreTrainedModel, PreTrainedTokenizerBase, Trainer
+from transformers import (
+    AutoConfig,
+    DataCollatorForSeq2Seq,
+    DataCollatorWithFlattening,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+    Trainer,
+)
 from transformers.pytorch_utils import Conv1D
 
 from ..transformers.attention_flags import AttentionFlags, attention_flags_of
@@ -450,6 +457,18 @@ class FiniteLossTrainer(Trainer):
 
 
 # --- results ----------------------------------------------------------------------------------------------------
+
+
+def data_collator(tokenizer: PreTrainedTokenizerBase, *, padding_free: bool) -> Any:
+    """Padded batches (right padding, no loss on it), or one padding-free row per batch.
+
+    A padding-free row restarts its position ids at every example; the Gaudi models isolate the examples from
+    those (`optimum.habana.transformers.packing`), and its first label of each example is ignored, as the shift of
+    a padded batch ignores it.
+    """
+    if padding_free:
+        return DataCollatorWithFlattening(separator_id=IGNORE_INDEX)
+    return DataCollatorForSeq2Seq(tokenizer, label_pad_token_id=IGNORE_INDEX)
 
 
 def perplexity(loss: float) -> float:
