@@ -1,0 +1,131 @@
+#!/usr/bin/env python
+"""One padding-free packed training step (forward + backward), per attention path, against the floor.
+
+    python examples/language-modeling/benchmark_packed_step.py --examples 8 --example_tokens 1024
+
+The batch is `--examples` random examples of `--example_tokens` tokens packed into one row by transformers'
+`DataCollatorWithFlattening` (position ids restarting per example), on a synthetic preset (real attention geometry,
+random weights, `--layers` layers; see benchmark_flash_attention.py) with gradient checkpointing. Each path runs in
+a fresh process: the first step gives the extra memory (peak resident memory above what the built model holds),
+the second the step time. Paths: `floor` (attention replaced by a pass-through of V: what no attention can go
+below), `flash` (this library, --use_flash_attention), `default` (this library's matmul-softmax), `sdpa` and
+`eager` (stock transformers). Prints a Markdown table and the flash / floor ratios; docs/fine_tuning.md shows one.
+"""
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import time
+
+import torch
+from tabulate import tabulate
+from transformers import DataCollatorWithFlattening
+
+from optimum.habana.example_support.benchmark_models import PRESETS, ModelSpec, build_model
+
+
+PATHS = ("floor", "flash", "default", "sdpa", "eager")
+RESULT_MARKER = "PACKED_STEP_RESULT "
+
+
+def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", choices=list(PRESETS), default="smollm2-attn")
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--intermediate_size", type=int, default=1536)
+    parser.add_argument("--examples", type=int, default=8)
+    parser.add_argument("--example_tokens", type=int, default=1024)
+    parser.add_argument("--paths", nargs="+", choices=PATHS, default=list(PATHS))
+    parser.add_argument("--threads", type=int, default=None, help="Torch threads per process (default: torch's).")
+    parser.add_argument("--timeout", type=float, default=1800.0, help="Seconds per path; past it: timeout.")
+    parser.add_argument("--worker", choices=PATHS, help=argparse.SUPPRESS)
+    arguments = parser.parse_args(argv)
+    for name in ("layers", "intermediate_size", "examples", "example_tokens"):
+        if getattr(arguments, name) < 1:
+            parser.error(f"--{name} must be at least 1, got {getattr(arguments, name)}.")
+    return arguments
+
+
+def peak_resident_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def measure(arguments: argparse.Namespace) -> dict[str, float]:
+    """In the worker process: one step for the memory, a second one for the time."""
+    if arguments.threads:
+        torch.set_num_threads(arguments.threads)
+    spec = ModelSpec(arguments.preset, arguments.layers, arguments.intermediate_size)
+    model = build_model(spec, arguments.worker, torch.float32, seed=0)
+    if arguments.worker == "flash":
+        model.generation_config.use_flash_attention = True
+    model.gradient_checkpointing_enable()
+    model.train()
+    generator = torch.Generator().manual_seed(0)
+    vocab = model.config.vocab_size
+    rows = [
+        torch.randint(3, vocab, (arguments.example_tokens,), generator=generator) for _ in range(arguments.examples)
+    ]
+    batch = DataCollatorWithFlattening()([{"input_ids": row.tolist(), "labels": row.tolist()} for row in rows])
+    before = peak_resident_bytes()
+    model(**batch).loss.backward()
+    extra = peak_resident_bytes() - before
+    model.zero_grad(set_to_none=True)
+    start = time.perf_counter()
+    model(**batch).loss.backward()
+    return {"step_seconds": time.perf_counter() - start, "extra_memory_gb": extra / 1e9}
+
+
+def run_path(path: str, argv: list[str], timeout: float) -> dict[str, float | str]:
+    command = [sys.executable, __file__, *argv, "--worker", path]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"status": "timeout"}
+    for line in reversed(done.stdout.splitlines()):
+        if line.startswith(RESULT_MARKER):
+            return {"status": "ok", **json.loads(line[len(RESULT_MARKER) :])}
+    lines = done.stderr.strip().splitlines()
+    return {"status": "OOM" if done.returncode == -9 else "error", "error": lines[-1] if lines else done.returncode}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    arguments = parse_arguments(argv)
+    if arguments.worker:
+        print(RESULT_MARKER + json.dumps(measure(arguments)), flush=True)
+        return 0
+    results = {path: run_path(path, argv, arguments.timeout) for path in arguments.paths}
+    floor = results.get("floor", {})
+    rows = []
+    for path, result in results.items():
+        if result["status"] != "ok":
+            rows.append([path, result["status"], result["status"], "-", "-"])
+            continue
+        time_ratio = result["step_seconds"] / floor["step_seconds"] if floor.get("status") == "ok" else None
+        memory_ratio = result["extra_memory_gb"] / floor["extra_memory_gb"] if floor.get("status") == "ok" else None
+        rows.append(
+            [
+                path,
+                f"{result['step_seconds']:.2f}",
+                f"{result['extra_memory_gb']:.2f}",
+                "-" if time_ratio is None else f"{time_ratio:.2f}",
+                "-" if memory_ratio is None else f"{memory_ratio:.2f}",
+            ]
+        )
+    tokens = arguments.examples * arguments.example_tokens
+    print(
+        f"{arguments.preset}, {arguments.layers} layers, {arguments.examples} examples x {arguments.example_tokens} "
+        f"tokens packed into one row of {tokens}, gradient checkpointing, fp32, torch threads {torch.get_num_threads() if not arguments.threads else arguments.threads}"
+    )
+    headers = ["Path", "Step [s]", "Extra memory [GB]", "Step / floor", "Extra memory / floor"]
+    print(tabulate(rows, headers=headers, tablefmt="github", disable_numparse=True))
+    failed = [path for path, result in results.items() if result["status"] == "error"]
+    for path in failed:
+        print(f"{path}: failed: {results[path]['error']}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
