@@ -178,11 +178,11 @@ CASES = {
         2,
         [f"--max_seq_length {10**9} is beyond"],
     ),
-    "Optimum-Habana flags with --bf16": Case(
-        lambda c: c.args("--bf16", "True", "--use_habana", "--use_lazy_mode", "--throughput_warmup_steps", "3"),
+    "gaudi_spawn.py's flags with --bf16": Case(
+        lambda c: c.args("--bf16", "True", "--use_lazy_mode", "--world_size", "8", "--use_deepspeed"),
         2,
-        ["unrecognized arguments: --use_habana --use_lazy_mode --throughput_warmup_steps 3"]
-        + ([] if torch.cuda.is_available() else ["3; Your setup doesn't support bf16"]),
+        ["unrecognized arguments: --world_size 8 --use_deepspeed"]
+        + ([] if torch.cuda.is_available() else ["--use_deepspeed; Your setup doesn't support bf16"]),
     ),
     "--padding_free with --dataset_concatenation": Case(
         lambda c: c.args("--padding_free", "--dataset_concatenation"),

@@ -36,6 +36,13 @@ from transformers import (
 
 from optimum.habana.example_support import adapters, distributed, failures, finetuning, outputs, run_record
 from optimum.habana.example_support.arguments import AttentionArguments, check_finite_numbers, check_seed
+from optimum.habana.example_support.gaudi_training_arguments import (
+    GaudiTrainingArguments,
+    ThroughputAfterWarmup,
+    apply_gaudi_training_arguments,
+    attention_flag_from,
+    check_gaudi_training_arguments,
+)
 from optimum.habana.utils import devices
 from optimum.habana.utils.atomic import atomic_write_text
 from optimum.habana.utils.distributed import launch_environment
@@ -152,6 +159,7 @@ ARGUMENT_CLASSES = (
     AttentionArguments,
     GenerationArguments,
     OutputArguments,
+    GaudiTrainingArguments,
 )
 
 
@@ -165,6 +173,7 @@ class Arguments:
     attention: Any  # AttentionArguments
     generation: GenerationArguments
     output: OutputArguments
+    gaudi: GaudiTrainingArguments
     training: TrainingArguments
 
 
@@ -211,9 +220,19 @@ def parse_arguments(parser: HfArgumentParser, argv: list[str]) -> Arguments:
         )
     except ValueError as error:  # TrainingArguments' own checks
         problems.append(str(error).strip())
+    if not problems:
+        arguments = Arguments(*groups)
+        # Optimum-Habana's --attn_implementation is another way to say --use_flash_attention.
+        given = any(token.split("=")[0] == "--use_flash_attention" for token in argv)
+        try:
+            arguments.attention.use_flash_attention = attention_flag_from(
+                arguments.gaudi, arguments.attention.use_flash_attention, given
+            )
+        except ValueError as error:
+            problems.append(str(error))
     if problems:
         usage_error(parser, "; ".join(problems))
-    return Arguments(*groups)
+    return arguments
 
 
 def run(
@@ -224,6 +243,7 @@ def run(
     try:
         check_numbers(args)
         flags = finetuning.attention_flags_from(attention_args)
+        notes = gaudi_options(args)
         check_arguments(data_args, generation_args, training_args)
         resume = outputs.parse_resume_value(training_args.resume_from_checkpoint)
         outputs.check_overwrite_and_resume(output_args.overwrite_output_dir, resume, training_args.output_dir)
@@ -273,8 +293,15 @@ def run(
         set_seed(training_args.seed)
         dtype = resolve_dtype(model_args.torch_dtype, training_args)
         progress.phase = "loading the model"
+        from_pretrained = (
+            {"attn_implementation": args.gaudi.attn_implementation} if args.gaudi.attn_implementation else {}
+        )
         loaded = load_model_and_tokenizer(
-            model_args.model_name_or_path, dtype=dtype, device=training_args.device, resolved=resolved
+            model_args.model_name_or_path,
+            dtype=dtype,
+            device=training_args.device,
+            resolved=resolved,
+            **from_pretrained,
         )
         model, tokenizer = loaded.model, loaded.tokenizer
         # Before PEFT wraps the model: its forward reads the flags from here on every call.
@@ -286,6 +313,8 @@ def run(
         usage_error(parser, str(error))
 
     logger.info("Model: %s, %s, attention flags %s", loaded.resolved.description, dtype, flags)
+    for note in notes if training_args.local_process_index == 0 else ():
+        logger.warning(note)
     if (bf16_note := devices.slow_bf16_note(training_args.device, dtype)) and training_args.local_process_index == 0:
         logger.warning("--bf16 / --torch_dtype bfloat16: %s", bf16_note)
     if training_args.local_process_index == 0:
@@ -297,7 +326,11 @@ def run(
     for split, dataset in raw_datasets.items():
         with training_args.main_process_first(desc=f"tokenizing {split}"):
             tokenized = finetuning.tokenize_dataset(
-                dataset, tokenizer, data_format, None if data_args.dataset_concatenation else data_args.max_seq_length
+                dataset,
+                tokenizer,
+                data_format,
+                None if data_args.dataset_concatenation else data_args.max_seq_length,
+                train_on_inputs=args.gaudi.train_on_inputs,
             )
             if data_args.dataset_concatenation:
                 tokenized = finetuning.pack_sequences(tokenized, data_args.max_seq_length)
@@ -310,6 +343,7 @@ def run(
         datasets[split] = tokenized
     logger.info("Data: %s, %s", data_format, {split: dataset.num_rows for split, dataset in datasets.items()})
 
+    throughput = ThroughputAfterWarmup(args.gaudi.throughput_warmup_steps)
     trainer = finetuning.FiniteLossTrainer(
         model=model,
         args=training_args,
@@ -318,7 +352,7 @@ def run(
         processing_class=tokenizer,
         data_collator=finetuning.data_collator(tokenizer, padding_free=data_args.padding_free),
         # Saved in every checkpoint, so that a resume can tell this run's checkpoints from another run's.
-        callbacks=[run_record.RunArguments(**arguments_of_this_run), *(callbacks or [])],
+        callbacks=[run_record.RunArguments(**arguments_of_this_run), throughput, *(callbacks or [])],
     )
     device = training_args.device
     metrics: dict[str, Any] = {}
@@ -338,6 +372,20 @@ def run(
             )
         devices.synchronize(device)
         train_metrics = {**train_result.metrics, "train_peak_memory_gb": peak_memory_gb(device)}
+        if args.gaudi.throughput_warmup_steps:
+            warmup_steps = args.gaudi.throughput_warmup_steps
+            samples_per_step = training_args.train_batch_size * training_args.gradient_accumulation_steps
+            after_warmup = throughput.samples_per_second(
+                trainer.state.global_step, samples_per_step * training_args.world_size
+            )
+            if after_warmup is None:
+                logger.warning(
+                    "--throughput_warmup_steps %d: training ended within the warm-up steps; train_samples_per_second "
+                    "covers every step.",
+                    warmup_steps,
+                )
+            else:
+                train_metrics["train_samples_per_second"] = after_warmup
         train_metrics["train_samples"] = datasets["train"].num_rows
         trainer.log_metrics("train", train_metrics)
         metrics.update(train_metrics)
@@ -373,6 +421,17 @@ def run(
     if trainer.is_world_process_zero():
         print(summary(metrics, flags.use_flash_attention, training_args))
     return metrics
+
+
+def gaudi_options(args: Arguments) -> list[str]:
+    """Optimum-Habana's options checked and applied; returns the lines that say what the others do here."""
+    training_args = args.training
+    try:
+        check_gaudi_training_arguments(args.gaudi)
+        dtype = resolve_dtype(args.model.torch_dtype, training_args)
+        return apply_gaudi_training_arguments(args.gaudi, training_args, training_args.device, dtype)
+    except ValueError as error:
+        raise finetuning.FineTuningError(str(error)) from None
 
 
 def check_numbers(args: Arguments) -> None:

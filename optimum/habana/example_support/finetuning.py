@@ -258,10 +258,12 @@ def tokenize_dataset(
     tokenizer: PreTrainedTokenizerBase,
     data_format: DataFormat,
     max_seq_length: int | None,
+    train_on_inputs: bool = False,
 ) -> Dataset:
     """`input_ids`, `attention_mask` and `labels` for each example, truncated to `max_seq_length` (None: not).
 
-    Instruction data: the loss is on the response tokens and the end-of-sequence token, never on the prompt.
+    Instruction data: the loss is on the response tokens and the end-of-sequence token, and on the prompt only
+    with `train_on_inputs` (Optimum-Habana's default).
     Plain text: the loss is on every token. Examples left with nothing to learn after truncation are dropped.
     """
     if tokenizer.eos_token_id is None:
@@ -287,7 +289,8 @@ def tokenize_dataset(
         for prompt, response in zip(prompt_ids, response_ids, strict=True):
             response = [*response, tokenizer.eos_token_id]
             input_ids = [*prompt, *response][:max_seq_length]
-            labels = [IGNORE_INDEX] * len(prompt) if data_format == "instruction" else list(prompt)
+            masked = data_format == "instruction" and not train_on_inputs
+            labels = [IGNORE_INDEX] * len(prompt) if masked else list(prompt)
             labels = [*labels, *response][:max_seq_length]
             features["input_ids"].append(input_ids)
             features["attention_mask"].append([1] * len(input_ids))

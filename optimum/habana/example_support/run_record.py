@@ -25,6 +25,7 @@ RUN_DEFINING_ARGUMENTS = (
     "dataset_config_name",
     "max_seq_length",
     "dataset_concatenation",
+    "train_on_inputs",
     "learning_rate",
     "lr_scheduler_type",
     "warmup_steps",

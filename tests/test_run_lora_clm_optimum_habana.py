@@ -1,0 +1,169 @@
+"""Optimum-Habana's fine-tuning options in run_lora_clm.py: each acts, or prints one line of what it does here."""
+
+import json
+import time
+
+import pytest
+import torch
+from transformers import TrainerCallback, TrainingArguments
+
+from optimum.habana.example_support import finetuning
+from optimum.habana.example_support.gaudi_training_arguments import (
+    GaudiTrainingArguments,
+    apply_gaudi_training_arguments,
+)
+
+from .test_run_lora_clm import (  # noqa: F401 (fixtures)
+    checkpoint,
+    run_script,
+    script,
+    script_args,
+    tokenizer,
+)
+
+
+STEPS = "--do_train --max_steps 3 --per_device_train_batch_size 4 --logging_steps 1 --validation_split_percentage 0"
+CPU = torch.device("cpu")
+
+
+def run(script, checkpoint, tmp_path, *extra):
+    return run_script(script, script_args(checkpoint, tmp_path, *STEPS.split(), *extra))
+
+
+@pytest.mark.parametrize(
+    ("implementation", "path"), [("eager", "default"), ("sdpa", "fused"), ("gaudi_fused_sdpa", "fused")]
+)
+def test_attn_implementation_selects_the_path(script, checkpoint, tmp_path, implementation, path):
+    result = run(script, checkpoint, tmp_path, "--attn_implementation", implementation)
+    assert result.counts[path] > 0
+    assert result.counts["default" if path == "fused" else "fused"] == 0
+
+
+def test_attn_implementation_with_its_companion_flags_runs_fused(script, checkpoint, tmp_path):
+    argv = ["--attn_implementation", "gaudi_fused_sdpa", "--flash_attention_causal_mask", "True"]
+    argv += ["--flash_attention_recompute", "True"]
+    result = run(script, checkpoint, tmp_path, *argv)
+    assert result.counts["fused"] > 0 and result.counts["default"] == 0
+    assert result.recompute and all(result.recompute)
+
+
+@pytest.mark.parametrize(
+    ("argv", "words"),
+    [
+        (
+            ["--attn_implementation", "eager", "--use_flash_attention"],
+            "--attn_implementation eager and --use_flash_attention True contradict each other",
+        ),
+        (
+            ["--attn_implementation", "sdpa", "--use_flash_attention", "False"],
+            "--attn_implementation sdpa and --use_flash_attention False contradict each other",
+        ),
+        (["--context_parallel_size", "2"], "--context_parallel_size 2: context parallelism is not supported"),
+        (["--throughput_warmup_steps", "-1"], "--throughput_warmup_steps must be 0 or more"),
+        (["--warmup_ratio", "1.5"], "--warmup_ratio must be in [0, 1), got 1.5"),
+        (["--attn_implementation", "flash_attention_2"], "invalid choice: 'flash_attention_2'"),
+    ],
+)
+def test_bad_values_are_usage_errors(script, checkpoint, tmp_path, capsys, argv, words):
+    with pytest.raises(SystemExit) as exit_info:
+        script.main(script_args(checkpoint, tmp_path, *STEPS.split(), *argv))
+    stderr = capsys.readouterr().err
+    assert exit_info.value.code == 2 and words in stderr and "Traceback" not in stderr
+
+
+def test_gaudi_only_options_say_what_they_do_here(script, checkpoint, tmp_path, caplog):
+    argv = ["--use_habana", "--use_lazy_mode", "--use_hpu_graphs_for_training"]  # bare --use_lazy_mode: True
+    argv += ["--use_hpu_graphs_for_inference", "--gaudi_config_name", "Habana/llama", "--pipelining_fwd_bwd"]
+    argv += ["--use_fused_rope", "False", "--fp8", "--use_regional_compilation", "--compile_from_sec_iteration"]
+    run(script, checkpoint, tmp_path, *argv)
+    for words in (
+        "--use_habana: no Gaudi device here; training runs on cpu.",
+        "--use_lazy_mode: Gaudi's execution mode is chosen by the PT_HPU_LAZY_MODE",
+        "--use_hpu_graphs_for_training: this script does not capture HPU graphs",
+        "--use_hpu_graphs_for_inference: this script does not capture HPU graphs",
+        "--gaudi_config_name Habana/llama: Gaudi configs choose Habana's fused optimizer",
+        "--pipelining_fwd_bwd: a Gaudi lazy-mode scheduling option; no effect here.",
+        "--use_fused_rope: transformers' rotary embedding runs here",
+        "--fp8: fp8 training is not supported by this script; training runs in torch.float32.",
+        "--use_regional_compilation and --compile_from_sec_iteration: nothing is compiled without --torch_compile.",
+    ):
+        assert caplog.text.count(words) == 1, words
+
+
+def test_warmup_ratio_becomes_transformers_5_warmup_steps(tmp_path):
+    training_args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none")
+    apply_gaudi_training_arguments(GaudiTrainingArguments(warmup_ratio=0.25), training_args, CPU, torch.float32)
+    assert training_args.warmup_steps == 0.25 and training_args.get_warmup_steps(40) == 10
+    both = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none", warmup_steps=3)
+    with pytest.raises(ValueError, match="--warmup_ratio and --warmup_steps both set the warm-up"):
+        apply_gaudi_training_arguments(GaudiTrainingArguments(warmup_ratio=0.25), both, CPU, torch.float32)
+
+
+def test_train_on_inputs_puts_the_prompt_in_the_loss(script, tokenizer):
+    dataset = finetuning.load_raw_datasets(
+        train_file=str(script.DEFAULT_TRAIN_FILE),
+        validation_file=None,
+        dataset_name=None,
+        dataset_config_name=None,
+        validation_split_percentage=0,
+        seed=0,
+    )
+    raw, data_format = dataset
+    rows = raw["train"].select(range(3))
+    if tokenizer.eos_token is None:
+        tokenizer.eos_token = tokenizer.pad_token
+    masked = finetuning.tokenize_dataset(rows, tokenizer, data_format, 64)
+    trained = finetuning.tokenize_dataset(rows, tokenizer, data_format, 64, train_on_inputs=True)
+    for off, on in zip(masked, trained, strict=True):
+        assert off["input_ids"] == on["input_ids"]
+        assert on["labels"] == on["input_ids"]
+        assert finetuning.IGNORE_INDEX in off["labels"]
+
+
+class SlowFirstStep(TrainerCallback):
+    """The first step (a warm-up step) takes a second longer, like a compilation."""
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if state.global_step == 0:
+            time.sleep(1.0)
+
+
+def test_throughput_warmup_steps_leave_the_first_steps_out(script, checkpoint, tmp_path):
+    argv = script_args(checkpoint, tmp_path, *STEPS.split(), "--throughput_warmup_steps", "1")
+    metrics = script.main(argv, callbacks=[SlowFirstStep()])
+    all_steps = 3 * 4 / metrics["train_runtime"]  # what the Trainer reports: the slow step included
+    assert metrics["train_samples_per_second"] > 2 * all_steps
+    saved = json.loads((tmp_path / "train_results.json").read_text())
+    assert saved["train_samples_per_second"] == pytest.approx(metrics["train_samples_per_second"])
+
+
+def test_throughput_warmup_longer_than_training_says_so(script, checkpoint, tmp_path, caplog):
+    metrics = script.main(script_args(checkpoint, tmp_path, *STEPS.split(), "--throughput_warmup_steps", "5"))
+    assert "--throughput_warmup_steps 5: training ended within the warm-up steps" in caplog.text
+    assert metrics["train_samples_per_second"] > 0
+
+
+UPSTREAM_LLAMA3_8B_COMMAND = """--bf16 False --num_train_epochs 1 --max_steps 2 --per_device_train_batch_size 1
+    --gradient_accumulation_steps 2 --eval_strategy no --save_strategy no --learning_rate 3e-4 --warmup_ratio 0.03
+    --lr_scheduler_type constant --max_grad_norm 1.0 --logging_steps 1 --do_train --do_eval --use_habana
+    --use_lazy_mode False --throughput_warmup_steps 1 --lora_rank=8 --lora_alpha=16 --lora_dropout=0.05
+    --lora_target_modules q_proj v_proj --dataset_concatenation --max_seq_len 64 --adam_epsilon 1e-08
+    --validation_split_percentage 4 --fp8 --attn_implementation gaudi_fused_sdpa --flash_attention_causal_mask True
+    --per_device_eval_batch_size 4 --cache_size_limit 64 --use_regional_compilation --compile_from_sec_iteration
+    --allow_unspec_int_on_nn_module True"""
+
+
+def test_an_upstream_command_line_runs(script, checkpoint, tmp_path, caplog):
+    """Optimum-Habana's Llama3.1-8B LoRA flash-attention command (README), with the launcher, DeepSpeed and the
+    HPU compile backend removed, the model swapped for the tiny one, and the steps and lengths shrunk."""
+    argv = UPSTREAM_LLAMA3_8B_COMMAND.split()
+    before = (torch._dynamo.config.cache_size_limit, torch._dynamo.config.allow_unspec_int_on_nn_module)
+    try:
+        result = run_script(script, script_args(checkpoint, tmp_path, *argv))
+        assert torch._dynamo.config.cache_size_limit == 64
+        assert torch._dynamo.config.allow_unspec_int_on_nn_module is True
+    finally:
+        torch._dynamo.config.cache_size_limit, torch._dynamo.config.allow_unspec_int_on_nn_module = before
+    assert result.counts["fused"] > 0 and result.counts["default"] == 0
+    assert result.metrics["eval_loss"] > 0 and "perplexity" in result.metrics
+    assert "--fp8: fp8 training is not supported" in caplog.text
