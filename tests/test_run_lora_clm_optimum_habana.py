@@ -3,15 +3,17 @@
 import json
 import time
 
+import numpy as np
 import pytest
 import torch
-from transformers import TrainerCallback, TrainingArguments
+from transformers import EvalPrediction, TrainerCallback, TrainingArguments
 
 from optimum.habana.example_support import finetuning
 from optimum.habana.example_support.gaudi_training_arguments import (
     GaudiTrainingArguments,
     apply_gaudi_training_arguments,
 )
+from optimum.habana.example_support.trainer import next_token_accuracy
 
 from .test_run_lora_clm import (  # noqa: F401 (fixtures)
     checkpoint,
@@ -167,3 +169,27 @@ def test_an_upstream_command_line_runs(script, checkpoint, tmp_path, caplog):
     assert result.counts["fused"] > 0 and result.counts["default"] == 0
     assert result.metrics["eval_loss"] > 0 and "perplexity" in result.metrics
     assert "--fp8: fp8 training is not supported" in caplog.text
+
+
+def test_next_token_accuracy_scores_labelled_positions_only():
+    # Position t predicts label t + 1; -100 labels (prompt, padding, example starts) are not scored.
+    predictions = np.array([[5, 6, 7, 8], [1, 2, -100, -100]])
+    labels = np.array([[-100, 5, 0, 8], [-100, 1, -100, -100]])
+    # Scored: 5->5 (right), 6->0, 7->8 (wrong), and 1->1 (right) in the second row: 2 of 4.
+    assert next_token_accuracy(EvalPrediction(predictions, labels)) == {"accuracy": 0.5}
+
+
+def test_logs_and_results_carry_upstreams_metrics(script, checkpoint, tmp_path):
+    argv = script_args(checkpoint, tmp_path, *STEPS.split(), "--do_eval", "--validation_split_percentage", "10")
+    metrics = script.main(argv)
+    assert 0 <= metrics["eval_accuracy"] <= 1 and metrics["perplexity"] > 1
+    for name in ("eval_results.json", "all_results.json"):
+        assert json.loads((tmp_path / name).read_text())["eval_accuracy"] == pytest.approx(metrics["eval_accuracy"])
+    state = json.loads((tmp_path / "trainer_state.json").read_text())
+    training_logs = [entry for entry in state["log_history"] if "loss" in entry]
+    assert len(training_logs) == 3
+    for entry in training_logs:
+        assert (
+            entry["memory_allocated (GB)"] > 0 and entry["max_memory_allocated (GB)"] >= entry["memory_allocated (GB)"]
+        )
+        assert entry["total_memory_available (GB)"] > entry["max_memory_allocated (GB)"]

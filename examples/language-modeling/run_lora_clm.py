@@ -47,6 +47,12 @@ from optimum.habana.example_support.finetuning_arguments import (
     usage_error,
 )
 from optimum.habana.example_support.gaudi_training_arguments import ThroughputAfterWarmup
+from optimum.habana.example_support.trainer import (
+    FiniteLossTrainer,
+    NonFiniteLossError,
+    next_token_accuracy,
+    next_token_predictions,
+)
 from optimum.habana.utils import devices
 from optimum.habana.utils.atomic import atomic_write_text
 from optimum.habana.utils.model_loading import ModelResolutionError, resolve_model
@@ -196,13 +202,15 @@ def run(
     logger.info("Data: %s, %s", data_format, {split: dataset.num_rows for split, dataset in datasets.items()})
 
     throughput = ThroughputAfterWarmup(args.gaudi.throughput_warmup_steps)
-    trainer = finetuning.FiniteLossTrainer(
+    trainer = FiniteLossTrainer(
         model=model,
         args=training_args,
         train_dataset=datasets["train"] if training_args.do_train else None,
         eval_dataset=datasets.get("validation") if training_args.do_eval else None,
         processing_class=tokenizer,
         data_collator=finetuning.data_collator(tokenizer, padding_free=data_args.padding_free),
+        compute_metrics=next_token_accuracy if training_args.do_eval else None,
+        preprocess_logits_for_metrics=next_token_predictions if training_args.do_eval else None,
         # Saved in every checkpoint, so that a resume can tell this run's checkpoints from another run's.
         callbacks=[run_record.RunArguments(**arguments_of_this_run), throughput, *(callbacks or [])],
     )
@@ -215,7 +223,7 @@ def run(
         devices.reset_peak_memory(device)
         try:
             train_result = trainer.train(resume_from_checkpoint=None if checkpoint is None else str(checkpoint))
-        except finetuning.NonFiniteLossError as error:
+        except NonFiniteLossError as error:
             remove_partial_checkpoints(progress)
             runtime_error(
                 parser,

@@ -25,7 +25,6 @@ from transformers import (
     DataCollatorWithFlattening,
     PreTrainedModel,
     PreTrainedTokenizerBase,
-    Trainer,
 )
 from transformers.pytorch_utils import Conv1D
 
@@ -434,29 +433,6 @@ def add_lora(model: PreTrainedModel, config: LoraConfig) -> PeftModel:
 
 
 # --- training ---------------------------------------------------------------------------------------------------
-
-
-class NonFiniteLossError(RuntimeError):
-    """The training loss became nan or inf: the weights are no longer worth saving."""
-
-    def __init__(self, step: int, loss: float) -> None:
-        super().__init__(f"the training loss is {loss} at step {step}")
-        self.step = step
-        self.loss = loss
-
-
-class FiniteLossTrainer(Trainer):
-    """A Trainer that stops at the first non-finite training loss, before the optimizer applies that step.
-
-    transformers' `logging_nan_inf_filter` (on by default) replaces such losses in the logs by the mean so far, so
-    a diverged run otherwise finishes, reports a plausible loss and saves a nan adapter.
-    """
-
-    def training_step(self, model, inputs, num_items_in_batch=None) -> torch.Tensor:
-        loss = super().training_step(model, inputs, num_items_in_batch)
-        if not torch.isfinite(loss).all():
-            raise NonFiniteLossError(self.state.global_step + 1, float(loss.detach().float().cpu()))
-        return loss
 
 
 # --- results ----------------------------------------------------------------------------------------------------
