@@ -193,3 +193,52 @@ def test_logs_and_results_carry_upstreams_metrics(script, checkpoint, tmp_path):
             entry["memory_allocated (GB)"] > 0 and entry["max_memory_allocated (GB)"] >= entry["memory_allocated (GB)"]
         )
         assert entry["total_memory_available (GB)"] > entry["max_memory_allocated (GB)"]
+
+
+def test_data_options_act(script, checkpoint, tmp_path, caplog):
+    rows = [{"question": f"Name color {i}.", "context": "", "answer": "red"} for i in range(12)]
+    data = tmp_path / "qa.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    argv = ["--train_file", str(data), "--instruction_column_name", "question", "--input_column_name", "context"]
+    argv += ["--output_column_name", "answer", "--max_train_samples", "5", "--do_eval"]
+    argv += ["--validation_split_percentage", "25", "--max_eval_samples", "2", "--pad_to_max_length"]
+    argv += ["--max_seq_length", "32", "--save_last_ckpt", "False", "--low_cpu_mem_usage", "True"]
+    out = tmp_path / "out"
+    metrics = script.main(script_args(checkpoint, out, *STEPS.split(), *argv))
+    assert metrics["train_samples"] == 5 and metrics["eval_samples"] == 2
+    assert not (out / "adapter_model.safetensors").exists() and (out / "train_results.json").is_file()
+    assert "--save_last_ckpt False: the final adapter is not saved" in caplog.text
+    assert "--low_cpu_mem_usage: transformers 5 always loads weights this way" in caplog.text
+
+
+def test_pad_to_max_length_gives_fixed_shapes(tokenizer):
+    features = [{"input_ids": [5] * n, "attention_mask": [1] * n, "labels": [5] * n} for n in (3, 7)]
+    batch = finetuning.data_collator(tokenizer, padding_free=False, pad_to=16)(features)
+    assert batch["input_ids"].shape == (2, 16) and (batch["labels"][:, 7:] == finetuning.IGNORE_INDEX).all()
+
+
+@pytest.mark.parametrize(
+    ("argv", "words"),
+    [
+        (
+            ["--instruction_column_name", "nope"],
+            "--instruction_column_name 'nope': --train_file",
+        ),
+        (["--pad_to_max_length", "--padding_free"], "--pad_to_max_length and --padding_free contradict each other"),
+        (["--max_train_samples", "0"], "--max_train_samples must be at least 1, got 0."),
+    ],
+)
+def test_bad_data_options_are_usage_errors(script, checkpoint, tmp_path, capsys, argv, words):
+    with pytest.raises(SystemExit) as exit_info:
+        script.main(script_args(checkpoint, tmp_path, *STEPS.split(), *argv))
+    stderr = capsys.readouterr().err
+    assert exit_info.value.code == 2 and words in stderr and "Traceback" not in stderr
+
+
+def test_keep_linebreaks_keeps_each_lines_newline(tmp_path):
+    text = tmp_path / "lines.txt"
+    text.write_text("flash attention\nsaves memory\n")
+    kept = finetuning.load_data_file(str(text), "--train_file", keep_linebreaks=True)
+    plain = finetuning.load_data_file(str(text), "--train_file")
+    assert kept[finetuning.TEXT_FIELD] == ["flash attention\n", "saves memory\n"]
+    assert plain[finetuning.TEXT_FIELD] == ["flash attention", "saves memory"]

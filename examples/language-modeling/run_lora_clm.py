@@ -34,7 +34,7 @@ from transformers import (
     set_seed,
 )
 
-from optimum.habana.example_support import adapters, failures, finetuning, outputs, run_record
+from optimum.habana.example_support import adapters, data_options, failures, finetuning, outputs, run_record
 from optimum.habana.example_support.finetuning_arguments import (
     ARGUMENT_CLASSES,
     Arguments,
@@ -137,6 +137,11 @@ def run(
             dataset_config_name=data_args.dataset_config_name,
             validation_split_percentage=data_args.validation_split_percentage,
             seed=training_args.seed,
+            columns=data_options.column_renames(data_args),
+            keep_linebreaks=data_args.keep_linebreaks,
+        )
+        raw_datasets = data_options.limit_examples(
+            raw_datasets, data_args.max_train_samples, data_args.max_eval_samples
         )
         if training_args.do_eval and "validation" not in raw_datasets:
             raise finetuning.FineTuningError(
@@ -208,7 +213,11 @@ def run(
         train_dataset=datasets["train"] if training_args.do_train else None,
         eval_dataset=datasets.get("validation") if training_args.do_eval else None,
         processing_class=tokenizer,
-        data_collator=finetuning.data_collator(tokenizer, padding_free=data_args.padding_free),
+        data_collator=finetuning.data_collator(
+            tokenizer,
+            padding_free=data_args.padding_free,
+            pad_to=data_args.max_seq_length if data_args.pad_to_max_length else None,
+        ),
         compute_metrics=next_token_accuracy if training_args.do_eval else None,
         preprocess_logits_for_metrics=next_token_predictions if training_args.do_eval else None,
         # Saved in every checkpoint, so that a resume can tell this run's checkpoints from another run's.
@@ -251,11 +260,12 @@ def run(
         metrics.update(train_metrics)
         progress.phase = "saving the adapter"
         with outputs.publishing(output_dir) as staging:
-            trainer.save_model(str(staging))  # the LoRA adapter and the tokenizer, for run_generation.py --peft_model
+            if output_args.save_last_ckpt:  # the LoRA adapter and the tokenizer, for run_generation.py --peft_model
+                trainer.save_model(str(staging))
             if trainer.is_world_process_zero():
                 trainer.state.save_to_json(str(staging / "trainer_state.json"))
                 write_metrics(staging, "train", train_metrics, metrics)
-        progress.published.append("the adapter")
+        progress.published.append("the adapter" if output_args.save_last_ckpt else "the training results")
 
     if training_args.do_eval:
         progress.phase = "evaluating"
@@ -279,7 +289,7 @@ def run(
         metrics["generations"] = generations
 
     if trainer.is_world_process_zero():
-        print(summary(metrics, flags.use_flash_attention, training_args))
+        print(summary(metrics, flags.use_flash_attention, training_args, output_args.save_last_ckpt))
     return metrics
 
 
@@ -355,7 +365,9 @@ def peak_memory_gb(device: torch.device) -> float:
     return round(devices.memory_stats(device)["max_allocated"] / 1e9, 3)
 
 
-def summary(metrics: dict[str, Any], use_flash_attention: bool, training_args: TrainingArguments) -> str:
+def summary(
+    metrics: dict[str, Any], use_flash_attention: bool, training_args: TrainingArguments, save_last_ckpt: bool
+) -> str:
     parts = [f"use_flash_attention={use_flash_attention}"]
     if training_args.world_size > 1:  # the Trainer's loss and samples/s cover every process; memory is rank 0's
         parts.append(f"{training_args.world_size} processes (data parallel)")
@@ -367,7 +379,7 @@ def summary(metrics: dict[str, Any], use_flash_attention: bool, training_args: T
         ]
     if "eval_loss" in metrics:
         parts += [f"eval loss {metrics['eval_loss']:.4f}", f"perplexity {metrics['perplexity']:.2f}"]
-    if training_args.do_train:
+    if training_args.do_train and save_last_ckpt:
         parts.append(f"adapter saved to {training_args.output_dir}")
     return "; ".join(parts)
 

@@ -32,6 +32,8 @@ from ..transformers.attention_flags import AttentionFlags, attention_flags_of
 from ..transformers.generation import GaudiGenerationConfig
 from ..utils.model_loading import ResolvedModel
 from .arguments import AttentionArguments
+from .data_options import rename_columns
+from .errors import FineTuningError
 
 
 logger = logging.getLogger(__name__)
@@ -55,10 +57,6 @@ LORA_LAYERS = (torch.nn.Linear, torch.nn.Embedding, torch.nn.Conv1d, torch.nn.Co
 ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj")
 
 
-class FineTuningError(ValueError):
-    """Bad input the user can fix (a data file, an argument value); the message names it and says what to do."""
-
-
 # --- data -------------------------------------------------------------------------------------------------------
 
 
@@ -70,24 +68,31 @@ def load_raw_datasets(
     dataset_config_name: str | None = None,
     validation_split_percentage: int = 10,
     seed: int = 42,
+    columns: dict[str, str] | None = None,
+    keep_linebreaks: bool = False,
 ) -> tuple[DatasetDict, DataFormat]:
     """The "train" (and, when there is one, "validation") split, and whether it is instruction data or plain text.
 
     Without a validation file or split, `validation_split_percentage` percent of the training data is held out.
+    `columns` renames columns first (`{their name: ours}`); `keep_linebreaks` keeps each .txt line's newline.
     Every problem with the data is a FineTuningError that names the file and the problem.
     """
     if not 0 <= validation_split_percentage < 100:
         raise FineTuningError(f"--validation_split_percentage must be in [0, 100), got {validation_split_percentage}.")
     if dataset_name is not None and train_file is not None:
         raise FineTuningError("Pass either --dataset_name or --train_file, not both.")
+    options = {"columns": columns or {}, "keep_linebreaks": keep_linebreaks}
     if dataset_name is not None:
         datasets = load_hub_dataset(dataset_name, dataset_config_name)
+        datasets = DatasetDict(
+            {split: rename_columns(data, options["columns"], dataset_name) for split, data in datasets.items()}
+        )
     else:
         if train_file is None:
             raise FineTuningError("No training data: pass --train_file or --dataset_name.")
-        datasets = DatasetDict({"train": load_data_file(train_file, "--train_file")})
+        datasets = DatasetDict({"train": load_data_file(train_file, "--train_file", **options)})
     if validation_file is not None:
-        datasets["validation"] = load_data_file(validation_file, "--validation_file")
+        datasets["validation"] = load_data_file(validation_file, "--validation_file", **options)
 
     train_source = f"--train_file {train_file!r}" if dataset_name is None else f"The dataset {dataset_name!r}"
     data_format = data_format_of(datasets["train"], train_source)
@@ -122,7 +127,9 @@ def check_max_seq_length(max_seq_length: int, resolved: ResolvedModel) -> None:
         )
 
 
-def load_data_file(path: str, argument: str) -> Dataset:
+def load_data_file(
+    path: str, argument: str, columns: dict[str, str] | None = None, keep_linebreaks: bool = False
+) -> Dataset:
     """One json, jsonl, csv or txt file (one example per line for txt), through the `datasets` builders."""
     file = Path(path).expanduser()
     if not file.is_file():
@@ -136,7 +143,8 @@ def load_data_file(path: str, argument: str) -> Dataset:
         raise FineTuningError(f"{argument} {path!r} is empty.")
     check_utf8(file, argument)
     try:
-        dataset = load_dataset(builder, data_files=str(file), split="train")
+        options = {"keep_linebreaks": True} if builder == "text" and keep_linebreaks else {}
+        dataset = load_dataset(builder, data_files=str(file), split="train", **options)
     except DatasetGenerationError as error:
         cause = error.__cause__ or error
         raise FineTuningError(f"{argument} {path!r} could not be read as {builder}: {cause}") from None
@@ -146,6 +154,7 @@ def load_data_file(path: str, argument: str) -> Dataset:
         if "corresponds to no data" in str(error):
             raise FineTuningError(f"{argument} {path!r} has no examples.") from None
         raise FineTuningError(f"{argument} {path!r} could not be read as {builder}: {error}") from None
+    dataset = rename_columns(dataset, columns or {}, f"{argument} {path!r}")
     if set(REQUIRED_INSTRUCTION_FIELDS) <= set(dataset.column_names):
         for name in REQUIRED_INSTRUCTION_FIELDS:
             check_no_missing_values(dataset, name, file, argument)
@@ -438,8 +447,9 @@ def add_lora(model: PreTrainedModel, config: LoraConfig) -> PeftModel:
 # --- results ----------------------------------------------------------------------------------------------------
 
 
-def data_collator(tokenizer: PreTrainedTokenizerBase, *, padding_free: bool) -> Any:
-    """Padded batches (right padding, no loss on it), or one padding-free row per batch.
+def data_collator(tokenizer: PreTrainedTokenizerBase, *, padding_free: bool, pad_to: int | None = None) -> Any:
+    """Padded batches (right padding, no loss on it; to `pad_to` tokens when given), or one padding-free row per
+    batch.
 
     A padding-free row restarts its position ids at every example; the Gaudi models isolate the examples from
     those (`optimum.habana.transformers.packing`), and its first label of each example is ignored, as the shift of
@@ -447,6 +457,10 @@ def data_collator(tokenizer: PreTrainedTokenizerBase, *, padding_free: bool) -> 
     """
     if padding_free:
         return DataCollatorWithFlattening(separator_id=IGNORE_INDEX)
+    if pad_to is not None:
+        return DataCollatorForSeq2Seq(
+            tokenizer, label_pad_token_id=IGNORE_INDEX, padding="max_length", max_length=pad_to
+        )
     return DataCollatorForSeq2Seq(tokenizer, label_pad_token_id=IGNORE_INDEX)
 
 

@@ -33,6 +33,9 @@ class ModelArguments:
             "SmolLM2-135M-Instruct (same resolution as run_generation.py)."
         },
     )
+    low_cpu_mem_usage: bool = field(
+        default=False, metadata={"help": "Accepted for Optimum-Habana's command lines: transformers 5 always is."}
+    )
     torch_dtype: str = field(
         default="auto",
         metadata={
@@ -79,6 +82,24 @@ class DataArguments:
             "example, no mask)."
         },
     )
+    pad_to_max_length: bool = field(
+        default=False, metadata={"help": "Pad every example to --max_seq_length: the same shapes at every step."}
+    )
+    max_train_samples: int | None = field(default=None, metadata={"help": "Train on the first N examples only."})
+    max_eval_samples: int | None = field(default=None, metadata={"help": "Evaluate on the first N examples only."})
+    instruction_column_name: str | None = field(
+        default=None, metadata={"help": "The data's column that holds the instruction (default: instruction)."}
+    )
+    input_column_name: str | None = field(
+        default=None, metadata={"help": "The data's column that holds the optional input (default: input)."}
+    )
+    output_column_name: str | None = field(
+        default=None, metadata={"help": "The data's column that holds the response (default: output)."}
+    )
+    keep_linebreaks: bool = field(
+        default=False,
+        metadata={"help": "Keep each .txt line's line break in its text (Optimum-Habana's default is True)."},
+    )
 
 
 @dataclass
@@ -116,6 +137,12 @@ class OutputArguments:
         metadata={
             "help": "Write into a non-empty --output_dir, replacing an earlier run's files; without it (or "
             "--resume_from_checkpoint) the script refuses, so that no adapter is ever lost silently."
+        },
+    )
+    save_last_ckpt: bool = field(
+        default=True,
+        metadata={
+            "help": "Save the adapter at the end of training (False: keep only the --save_strategy checkpoints)."
         },
     )
 
@@ -180,9 +207,14 @@ def gaudi_options(args: Arguments) -> list[str]:
     try:
         check_gaudi_training_arguments(args.gaudi)
         dtype = resolve_dtype(args.model.torch_dtype, training_args)
-        return apply_gaudi_training_arguments(args.gaudi, training_args, training_args.device, dtype)
+        notes = apply_gaudi_training_arguments(args.gaudi, training_args, training_args.device, dtype)
     except ValueError as error:
         raise finetuning.FineTuningError(str(error)) from None
+    if args.model.low_cpu_mem_usage:
+        notes.append("--low_cpu_mem_usage: transformers 5 always loads weights this way; nothing to change.")
+    if not args.output.save_last_ckpt and training_args.do_train:
+        notes.append("--save_last_ckpt False: the final adapter is not saved; only --save_strategy's checkpoints are.")
+    return notes
 
 
 def check_numbers(args: Arguments) -> None:
@@ -204,6 +236,14 @@ def check_arguments(
             "--padding_free and --dataset_concatenation both pack the examples: --padding_free keeps each example "
             "to itself, --dataset_concatenation lets them attend across boundaries. Choose one."
         )
+    if data_args.pad_to_max_length and data_args.padding_free:
+        raise finetuning.FineTuningError(
+            "--pad_to_max_length and --padding_free contradict each other: one pads every example, the other "
+            "removes all padding. Choose one."
+        )
+    for name in ("max_train_samples", "max_eval_samples"):
+        if getattr(data_args, name) is not None and getattr(data_args, name) < 1:
+            raise finetuning.FineTuningError(f"--{name} must be at least 1, got {getattr(data_args, name)}.")
     if data_args.max_seq_length < 1:
         raise finetuning.FineTuningError(f"--max_seq_length must be at least 1, got {data_args.max_seq_length}.")
     if generation_args.generation_samples < 0:
