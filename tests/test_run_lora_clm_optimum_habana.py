@@ -60,6 +60,10 @@ def test_attn_implementation_with_its_companion_flags_runs_fused(script, checkpo
             ["--attn_implementation", "sdpa", "--use_flash_attention", "False"],
             "--attn_implementation sdpa and --use_flash_attention False contradict each other",
         ),
+        (
+            ["--attn_implementation", "eager", "--use-flash-attention=True"],
+            "--attn_implementation eager and --use_flash_attention True contradict each other",
+        ),
         (["--context_parallel_size", "2"], "--context_parallel_size 2: context parallelism is not supported"),
         (["--throughput_warmup_steps", "-1"], "--throughput_warmup_steps must be 0 or more"),
         (["--warmup_ratio", "1.5"], "--warmup_ratio must be in [0, 1), got 1.5"),

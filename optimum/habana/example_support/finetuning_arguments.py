@@ -188,8 +188,8 @@ def parse_arguments(parser: HfArgumentParser, argv: list[str]) -> Arguments:
         problems.append(str(error).strip())
     if not problems:
         arguments = Arguments(*groups)
-        # Optimum-Habana's --attn_implementation is another way to say --use_flash_attention.
-        given = any(token.split("=")[0] == "--use_flash_attention" for token in argv)
+        # Optimum-Habana's --attn_implementation is another way to say --use_flash_attention (or --use-flash-attention).
+        given = any(token.split("=")[0].replace("-", "_") == "__use_flash_attention" for token in argv)
         try:
             arguments.attention.use_flash_attention = attention_flag_from(
                 arguments.gaudi, arguments.attention.use_flash_attention, given
