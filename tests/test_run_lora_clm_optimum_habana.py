@@ -190,6 +190,7 @@ def test_logs_and_results_carry_upstreams_metrics(script, checkpoint, tmp_path):
     argv = script_args(checkpoint, tmp_path, *STEPS.split(), "--do_eval", "--validation_split_percentage", "10")
     metrics = script.main(argv)
     assert 0 <= metrics["eval_accuracy"] <= 1 and metrics["perplexity"] > 1
+    assert json.loads((tmp_path / "train_results.json").read_text())["epoch"] > 0  # the Trainer's own entries stay
     for name in ("eval_results.json", "all_results.json"):
         assert json.loads((tmp_path / name).read_text())["eval_accuracy"] == pytest.approx(metrics["eval_accuracy"])
     state = json.loads((tmp_path / "trainer_state.json").read_text())

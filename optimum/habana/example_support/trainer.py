@@ -38,7 +38,9 @@ class FiniteLossTrainer(Trainer):
         return loss
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        super().log({**logs, **memory_log_entries(self.args.device)}, start_time)
+        # In place, as the Trainer's own log() adds "epoch": train() returns the dict it logged as its metrics.
+        logs.update(memory_log_entries(self.args.device))
+        super().log(logs, start_time)
 
 
 def memory_log_entries(device: torch.device) -> dict[str, float]:
