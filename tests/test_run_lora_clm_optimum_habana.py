@@ -175,6 +175,7 @@ def test_an_upstream_command_line_runs(script, checkpoint, tmp_path, caplog):
         torch._dynamo.config.cache_size_limit, torch._dynamo.config.allow_unspec_int_on_nn_module = before
     assert result.counts["fused"] > 0 and result.counts["default"] == 0
     assert result.metrics["eval_loss"] > 0 and "perplexity" in result.metrics
+    assert result.metrics["train_samples"] > 0  # packed into --max_seq_len blocks of 64 tokens
     assert "--fp8: fp8 training is not supported" in caplog.text
 
 

@@ -65,7 +65,11 @@ class DataArguments:
         metadata={"help": "Percent of the training data held out for evaluation when there is no validation data."},
     )
     max_seq_length: int = field(
-        default=512, metadata={"help": "Longest tokenized example (or packed block with --dataset_concatenation)."}
+        default=512,
+        metadata={
+            "aliases": ["--max_seq_len"],  # Optimum-Habana's README spells it so
+            "help": "Longest tokenized example (or packed block with --dataset_concatenation).",
+        },
     )
     dataset_concatenation: bool = field(
         default=False,
