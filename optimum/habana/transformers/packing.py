@@ -74,18 +74,18 @@ def packed_causal_mask(lengths: PackedLengths, sliding_window: int | None, devic
     masks = []
     for row in lengths:
         example = torch.repeat_interleave(torch.arange(len(row), device=device), torch.tensor(row, device=device))
-        positions = torch.arange(example.shape[0], device=device)
-        allowed = (example[:, None] == example[None, :]) & (positions[None, :] <= positions[:, None])
-        if sliding_window is not None:
-            allowed &= positions[None, :] > positions[:, None] - sliding_window
-        masks.append(allowed)
+        same_example = example[:, None] == example[None, :]
+        masks.append(same_example & causal_window_mask(example.shape[0], sliding_window, device))
     return torch.stack(masks)[:, None]
 
 
-def causal_window_mask(length: int, sliding_window: int, device: torch.device) -> torch.Tensor:
-    """The boolean `[length, length]` causal mask of one example that attends within a sliding window."""
+def causal_window_mask(length: int, sliding_window: int | None, device: torch.device) -> torch.Tensor:
+    """The boolean `[length, length]` causal mask, within a sliding window when one is given."""
     positions = torch.arange(length, device=device)
-    return (positions[None, :] <= positions[:, None]) & (positions[None, :] > positions[:, None] - sliding_window)
+    allowed = positions[None, :] <= positions[:, None]
+    if sliding_window is not None:
+        allowed &= positions[None, :] > positions[:, None] - sliding_window
+    return allowed
 
 
 __all__ = ["PackedLengths", "can_run_packed", "causal_window_mask", "packed_causal_mask", "packed_sequence_lengths"]
