@@ -1,14 +1,16 @@
 """Optimum-Habana's fine-tuning options in run_lora_clm.py: each acts, or prints one line of what it does here."""
 
+import copy
 import json
 import time
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 from transformers import EvalPrediction, TrainerCallback, TrainingArguments
 
-from optimum.habana.example_support import finetuning
+from optimum.habana.example_support import finetuning, gaudi_training_arguments
 from optimum.habana.example_support.gaudi_training_arguments import (
     GaudiTrainingArguments,
     apply_gaudi_training_arguments,
@@ -64,7 +66,9 @@ def test_attn_implementation_with_its_companion_flags_runs_fused(script, checkpo
             ["--attn_implementation", "eager", "--use-flash-attention=True"],
             "--attn_implementation eager and --use_flash_attention True contradict each other",
         ),
-        (["--context_parallel_size", "2"], "--context_parallel_size 2: context parallelism is not supported"),
+        (["--context_parallel_size", "0"], "--context_parallel_size must be at least 1, got 0."),
+        (["--peft_type", "ia3", "--lora_rank", "4"], "--peft_type ia3 does not use --lora_rank (lora)"),
+        (["--peft_type", "bitfit"], "invalid choice: 'bitfit'"),
         (["--throughput_warmup_steps", "-1"], "--throughput_warmup_steps must be 0 or more"),
         (["--warmup_ratio", "1.5"], "--warmup_ratio must be in [0, 1), got 1.5"),
         (["--attn_implementation", "flash_attention_2"], "invalid choice: 'flash_attention_2'"),
@@ -233,3 +237,89 @@ def test_keep_linebreaks_keeps_each_lines_newline(tmp_path):
     plain = finetuning.load_data_file(str(text), "--train_file")
     assert kept[finetuning.TEXT_FIELD] == ["flash attention\n", "saves memory\n"]
     assert plain[finetuning.TEXT_FIELD] == ["flash attention", "saves memory"]
+
+
+def test_peft_type_trains_and_saves_its_adapter(script, checkpoint, tmp_path):
+    result = run(script, checkpoint, tmp_path, "--peft_type", "ia3", "--use_flash_attention")
+    assert result.counts["fused"] > 0 and result.counts["default"] == 0
+    saved = json.loads((tmp_path / "adapter_config.json").read_text())
+    assert saved["peft_type"] == "IA3" and set(saved["target_modules"]) == {"k_proj", "v_proj", "down_proj"}
+    assert saved["feedforward_modules"] == ["down_proj"]
+    state = json.loads((tmp_path / "trainer_state.json").read_text())
+    recorded = state["stateful_callbacks"]["RunArguments"]["args"]
+    assert recorded["peft_type"] == "ia3"  # a resume with another --peft_type is refused
+
+
+def test_adalora_prunes_its_ranks_in_the_script(script, checkpoint, tmp_path):
+    argv = ["--peft_type", "adalora", "--adalora_init_r", "4", "--adalora_target_r", "1", "--adalora_tinit", "1"]
+    argv += ["--adalora_tfinal", "1", "--adalora_delta_t", "1", "--max_steps", "4"]
+    run(script, checkpoint, tmp_path, *argv)
+    saved = json.loads((tmp_path / "adapter_config.json").read_text())
+    assert saved["peft_type"] == "ADALORA" and saved["total_step"] == 4
+    assert saved["rank_pattern"] and sum(sum(mask) for mask in saved["rank_pattern"].values()) < 4 * len(
+        saved["rank_pattern"]
+    )
+
+
+def test_adalora_schedule_beyond_the_run_is_a_usage_error(script, checkpoint, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        script.main(script_args(checkpoint, tmp_path, *STEPS.split(), "--peft_type", "adalora"))
+    assert exit_info.value.code == 2
+    assert "--adalora_tinit 50 and --adalora_tfinal 100 leave no step to prune the ranks in this run's 3 steps" in (
+        capsys.readouterr().err
+    )
+
+
+def test_chat_prompt_puts_the_instruction_in_the_chat_template(script, tokenizer):
+    chat = copy.deepcopy(tokenizer)
+    chat.chat_template = "{% for m in messages %}<s> {{ m['role'] }} : {{ m['content'] }} </s>{% endfor %}" + (
+        "{% if add_generation_prompt %}<s> assistant :{% endif %}"
+    )
+    raw, data_format = finetuning.load_raw_datasets(
+        train_file=str(script.DEFAULT_TRAIN_FILE),
+        validation_file=None,
+        dataset_name=None,
+        dataset_config_name=None,
+        validation_split_percentage=0,
+        seed=0,
+    )
+    row = raw["train"][0]
+    tokenized = finetuning.tokenize_dataset(raw["train"].select([0]), chat, data_format, 256, chat_prompt=True)[0]
+    prompt = finetuning.build_chat_prompt(chat, row["instruction"], row["input"])
+    assert prompt.startswith("<s> user : " + row["instruction"].split()[0]) and prompt.endswith("<s> assistant :")
+    prompt_ids = chat(prompt, add_special_tokens=False)["input_ids"]
+    assert tokenized["input_ids"][: len(prompt_ids)] == prompt_ids  # the template's own specials, nothing added
+    assert tokenized["labels"][: len(prompt_ids)] == [finetuning.IGNORE_INDEX] * len(prompt_ids)
+    assert tokenized["labels"][len(prompt_ids)] != finetuning.IGNORE_INDEX  # the response is learned
+    with pytest.raises(finetuning.FineTuningError, match="--chat_prompt: the model's tokenizer has no chat template"):
+        finetuning.tokenize_dataset(raw["train"].select([0]), tokenizer, data_format, 256, chat_prompt=True)
+    with pytest.raises(finetuning.FineTuningError, match="--chat_prompt formats instruction data"):
+        finetuning.check_chat_prompt(chat, "text")
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.mark.parametrize(("adjust", "expected"), [(False, 4 * 2 / 13.0), (True, 4 * 2 / 8.0)])
+def test_adjust_throughput_leaves_logging_evaluation_and_saving_out(monkeypatch, adjust, expected):
+    """Warm-up 1 step, then 4 steps of 2 s each; after step 3 a log (1 s), an evaluation (3 s) and a save (1 s)."""
+    clock = FakeClock()
+    monkeypatch.setattr(gaudi_training_arguments.time, "perf_counter", clock)
+    throughput = gaudi_training_arguments.ThroughputAfterWarmup(1, adjust=adjust)
+    state = SimpleNamespace(global_step=0)
+    throughput.on_train_begin(None, state, None)
+    for step in range(1, 6):
+        clock.now += 2.0 if step > 1 else 10.0
+        state.global_step = step
+        throughput.on_step_end(None, state, None)
+        if step == 3:
+            for event, seconds in (("on_log", 1.0), ("on_evaluate", 3.0), ("on_save", 1.0)):
+                clock.now += seconds
+                getattr(throughput, event)(None, state, None)
+    clock.now += 7.0  # after training: the final log and saving the adapter, never counted
+    assert throughput.samples_per_second(2) == pytest.approx(expected)

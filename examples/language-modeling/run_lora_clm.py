@@ -28,13 +28,23 @@ from typing import Any, NoReturn
 
 import torch
 from transformers import (
+    AutoConfig,
     HfArgumentParser,
     TrainerCallback,
     TrainingArguments,
     set_seed,
 )
 
-from optimum.habana.example_support import adapters, data_options, failures, finetuning, outputs, run_record
+from optimum.habana.example_support import (
+    adapters,
+    data_options,
+    failures,
+    finetuning,
+    outputs,
+    peft_methods,
+    run_record,
+    sharded_training,
+)
 from optimum.habana.example_support.finetuning_arguments import (
     ARGUMENT_CLASSES,
     Arguments,
@@ -100,6 +110,7 @@ def run(
     generation_args, output_args, training_args = args.generation, args.output, args.training
     try:
         check_numbers(args)
+        peft_methods.check_peft_arguments(args.peft, lora_args)
         flags = finetuning.attention_flags_from(attention_args)
         notes = gaudi_options(args)
         check_arguments(data_args, generation_args, training_args)
@@ -118,10 +129,11 @@ def run(
         with training_args.main_process_first(local=True, desc="resolving the model"):
             resolved = resolve_model(model_args.model_name_or_path)
         finetuning.check_max_seq_length(data_args.max_seq_length, resolved)
+        peft_methods.check_model_supports(args.peft, AutoConfig.from_pretrained(resolved.path))
         if data_args.train_file is None and data_args.dataset_name is None:
             data_args.train_file = str(DEFAULT_TRAIN_FILE)
         train_file = data_args.train_file
-        arguments_of_this_run = run_record.run_arguments(model_args, data_args, lora_args, training_args)
+        arguments_of_this_run = run_record.run_arguments(model_args, data_args, lora_args, args.peft, training_args)
         checkpoint = outputs.resolve_checkpoint(resume, output_dir)
         if checkpoint is not None:
             if not training_args.do_train:
@@ -147,12 +159,6 @@ def run(
             raise finetuning.FineTuningError(
                 "--do_eval needs validation data: pass --validation_file or a --validation_split_percentage above 0."
             )
-        lora_config = finetuning.lora_config(
-            rank=lora_args.lora_rank,
-            alpha=lora_args.lora_alpha,
-            dropout=lora_args.lora_dropout,
-            target_modules=lora_args.lora_target_modules,
-        )
         set_seed(training_args.seed)
         dtype = resolve_dtype(model_args.torch_dtype, training_args)
         progress.phase = "loading the model"
@@ -169,10 +175,14 @@ def run(
         model, tokenizer = loaded.model, loaded.tokenizer
         # Before PEFT wraps the model: its forward reads the flags from here on every call.
         finetuning.set_attention_flags(model, flags)
-        model = finetuning.add_lora(model, lora_config)
+        peft_config = peft_methods.peft_config(args.peft, lora_args, model)
+        model = peft_methods.add_adapter(model, peft_config, args.peft.peft_type)
+        notes += sharded_training.match_wrap_classes(training_args, model)
         if checkpoint is not None:
             adapters.check_adapter_matches(checkpoint, model, "--resume_from_checkpoint")
     except (finetuning.FineTuningError, ModelResolutionError, outputs.OutputDirError, adapters.AdapterError) as error:
+        usage_error(parser, str(error))
+    except ValueError as error:  # sharded_training.match_wrap_classes
         usage_error(parser, str(error))
 
     logger.info("Model: %s, %s, attention flags %s", loaded.resolved.description, dtype, flags)
@@ -194,6 +204,7 @@ def run(
                 data_format,
                 None if data_args.dataset_concatenation else data_args.max_seq_length,
                 train_on_inputs=args.gaudi.train_on_inputs,
+                chat_prompt=data_args.chat_prompt,
             )
             if data_args.dataset_concatenation:
                 tokenized = finetuning.pack_sequences(tokenized, data_args.max_seq_length)
@@ -206,7 +217,8 @@ def run(
         datasets[split] = tokenized
     logger.info("Data: %s, %s", data_format, {split: dataset.num_rows for split, dataset in datasets.items()})
 
-    throughput = ThroughputAfterWarmup(args.gaudi.throughput_warmup_steps)
+    throughput = ThroughputAfterWarmup(args.gaudi.throughput_warmup_steps, adjust=args.gaudi.adjust_throughput)
+    schedules = [peft_methods.AdaLoraSchedule()] if args.peft.peft_type == "adalora" else []
     trainer = FiniteLossTrainer(
         model=model,
         args=training_args,
@@ -221,7 +233,7 @@ def run(
         compute_metrics=next_token_accuracy if training_args.do_eval else None,
         preprocess_logits_for_metrics=next_token_predictions if training_args.do_eval else None,
         # Saved in every checkpoint, so that a resume can tell this run's checkpoints from another run's.
-        callbacks=[run_record.RunArguments(**arguments_of_this_run), throughput, *(callbacks or [])],
+        callbacks=[run_record.RunArguments(**arguments_of_this_run), throughput, *schedules, *(callbacks or [])],
     )
     device = training_args.device
     metrics: dict[str, Any] = {}
@@ -232,6 +244,8 @@ def run(
         devices.reset_peak_memory(device)
         try:
             train_result = trainer.train(resume_from_checkpoint=None if checkpoint is None else str(checkpoint))
+        except finetuning.FineTuningError as error:  # AdaLoraSchedule: the step count is known once training starts
+            usage_error(parser, str(error))
         except NonFiniteLossError as error:
             remove_partial_checkpoints(progress)
             runtime_error(
@@ -241,12 +255,10 @@ def run(
             )
         devices.synchronize(device)
         train_metrics = {**train_result.metrics, "train_peak_memory_gb": peak_memory_gb(device)}
-        if args.gaudi.throughput_warmup_steps:
+        if args.gaudi.throughput_warmup_steps or args.gaudi.adjust_throughput:
             warmup_steps = args.gaudi.throughput_warmup_steps
             samples_per_step = training_args.train_batch_size * training_args.gradient_accumulation_steps
-            after_warmup = throughput.samples_per_second(
-                trainer.state.global_step, samples_per_step * training_args.world_size
-            )
+            after_warmup = throughput.samples_per_second(samples_per_step * training_args.world_size)
             if after_warmup is None:
                 logger.warning(
                     "--throughput_warmup_steps %d: training ended within the warm-up steps; train_samples_per_second "
@@ -283,7 +295,9 @@ def run(
 
     if generation_args.generation_samples > 0:
         progress.phase = "generating samples"
-        generations = generate_samples(model, tokenizer, raw_datasets, data_format, generation_args)
+        generations = generate_samples(
+            model, tokenizer, raw_datasets, data_format, generation_args, chat_prompt=data_args.chat_prompt
+        )
         if trainer.is_world_process_zero():
             atomic_write_text(output_dir / "generations.json", json.dumps(generations, indent=2) + "\n")
         metrics["generations"] = generations
@@ -341,12 +355,18 @@ def generate_samples(
     raw_datasets: Any,
     data_format: finetuning.DataFormat,
     generation_args: GenerationArguments,
+    chat_prompt: bool = False,
 ) -> list[dict[str, str]]:
     """Complete the first validation (else training) prompts: a quick look at what the fine-tuning did."""
     source = raw_datasets["validation"] if "validation" in raw_datasets else raw_datasets["train"]
     rows = source.select(range(min(generation_args.generation_samples, source.num_rows)))
     if data_format == "instruction":
-        prompts = [finetuning.build_prompt(row["instruction"], row.get("input")) for row in rows]
+        prompts = [
+            finetuning.build_chat_prompt(tokenizer, row["instruction"], row.get("input"))
+            if chat_prompt
+            else finetuning.build_prompt(row["instruction"], row.get("input"))
+            for row in rows
+        ]
         references = [str(row["output"]) for row in rows]
     else:
         # Plain text: the first half of each line is the prompt, the rest the reference.
@@ -370,7 +390,8 @@ def summary(
 ) -> str:
     parts = [f"use_flash_attention={use_flash_attention}"]
     if training_args.world_size > 1:  # the Trainer's loss and samples/s cover every process; memory is rank 0's
-        parts.append(f"{training_args.world_size} processes (data parallel)")
+        sharding = "FSDP" if training_args.fsdp else "DeepSpeed" if training_args.deepspeed else "data parallel"
+        parts.append(f"{training_args.world_size} processes ({sharding})")
     if "train_loss" in metrics:
         parts += [
             f"train loss {metrics['train_loss']:.4f}",

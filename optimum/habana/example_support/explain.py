@@ -99,9 +99,15 @@ def explain(arguments: ScriptArguments) -> str:
         f"KV cache: {layout.describe(max_cache_len)}",
     ]
     if adapter:
+        kept = adapter_config["peft_type"] == "ADAPTION_PROMPT"  # cannot be merged into weights
         lines.append(
-            f"Adapter: {adapter} ({adapter_config['peft_type']}, fits the model), merged into the weights before "
-            "generating: the attention calls are the base model's"
+            f"Adapter: {adapter} ({adapter_config['peft_type']}, fits the model), "
+            + (
+                "kept in its attention layers (an adaption prompt cannot be merged): each layer's attention call "
+                "below is followed by the adapter's small attention over its prompt tokens"
+                if kept
+                else "merged into the weights before generating: the attention calls are the base model's"
+            )
         )
     lines += ["", "Attention calls:"]
     for phase in phases(layout.kind, input_length, workload.max_new_tokens, padded, max_cache_len, layout):

@@ -18,7 +18,7 @@ from typing import Any, Literal
 import torch
 from datasets import Dataset, DatasetDict, load_dataset
 from datasets.exceptions import DatasetGenerationError
-from peft import LoraConfig, PeftModel, TaskType, get_peft_model
+from peft import LoraConfig, PeftModel, TaskType
 from transformers import (
     AutoConfig,
     DataCollatorForSeq2Seq,
@@ -26,14 +26,14 @@ from transformers import (
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
-from transformers.pytorch_utils import Conv1D
 
-from ..transformers.attention_flags import AttentionFlags, attention_flags_of
+from ..transformers.attention_flags import AttentionFlags
 from ..transformers.generation import GaudiGenerationConfig
 from ..utils.model_loading import ResolvedModel
 from .arguments import AttentionArguments
 from .data_options import rename_columns
 from .errors import FineTuningError
+from .peft_methods import add_adapter, check_lora_values, default_targets
 
 
 logger = logging.getLogger(__name__)
@@ -51,10 +51,6 @@ PROMPT_TEMPLATE_WITH_INPUT = "### Instruction:\n{instruction}\n\n### Input:\n{in
 
 # Label of the tokens that carry no loss (prompt and padding): the ignore_index of transformers' causal LM loss.
 IGNORE_INDEX = -100
-# Layer types that PEFT's LoRA can adapt, listed when a --lora_target_modules name matches nothing.
-LORA_LAYERS = (torch.nn.Linear, torch.nn.Embedding, torch.nn.Conv1d, torch.nn.Conv2d, Conv1D)
-# The default LoRA targets: whichever of these attention projections the family has (Phi3 fuses q, k and v).
-ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj")
 
 
 # --- data -------------------------------------------------------------------------------------------------------
@@ -261,19 +257,45 @@ def build_prompt(instruction: Any, input: Any = None) -> str:
     return PROMPT_TEMPLATE.format(instruction=instruction)
 
 
+def build_chat_prompt(tokenizer: PreTrainedTokenizerBase, instruction: Any, input: Any = None) -> str:
+    """`--chat_prompt`: the instruction (and its input, after a blank line) as the user turn of the model's own chat
+    template, ending where the assistant's answer starts. The template brings its special tokens."""
+    instruction, input = _as_text(instruction), _as_text(input)
+    content = f"{instruction}\n\n{input}" if input.strip() else instruction
+    return tokenizer.apply_chat_template(
+        [{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True
+    )
+
+
+def check_chat_prompt(tokenizer: PreTrainedTokenizerBase, data_format: DataFormat) -> None:
+    if data_format != "instruction":
+        raise FineTuningError(
+            "--chat_prompt formats instruction data (instruction/input/output fields); this data is plain text."
+        )
+    if not tokenizer.chat_template:
+        raise FineTuningError(
+            "--chat_prompt: the model's tokenizer has no chat template; leave --chat_prompt out to use the "
+            "'### Instruction:' prompt."
+        )
+
+
 def tokenize_dataset(
     dataset: Dataset,
     tokenizer: PreTrainedTokenizerBase,
     data_format: DataFormat,
     max_seq_length: int | None,
     train_on_inputs: bool = False,
+    chat_prompt: bool = False,
 ) -> Dataset:
     """`input_ids`, `attention_mask` and `labels` for each example, truncated to `max_seq_length` (None: not).
 
     Instruction data: the loss is on the response tokens and the end-of-sequence token, and on the prompt only
-    with `train_on_inputs` (Optimum-Habana's default).
+    with `train_on_inputs` (Optimum-Habana's default); `chat_prompt` puts the instruction in the model's chat
+    template instead of the '### Instruction:' prompt.
     Plain text: the loss is on every token. Examples left with nothing to learn after truncation are dropped.
     """
+    if chat_prompt:
+        check_chat_prompt(tokenizer, data_format)
     if tokenizer.eos_token_id is None:
         raise FineTuningError("The tokenizer has no end-of-sequence token; fine-tuning needs one to end examples.")
     if max_seq_length is not None and max_seq_length < 1:
@@ -283,7 +305,7 @@ def tokenize_dataset(
         if data_format == "instruction":
             inputs = batch.get("input") or [""] * len(batch["instruction"])
             prompts = [
-                build_prompt(instruction, input)
+                build_chat_prompt(tokenizer, instruction, input) if chat_prompt else build_prompt(instruction, input)
                 for instruction, input in zip(batch["instruction"], inputs, strict=True)
             ]
             responses = [_as_text(output) for output in batch["output"]]
@@ -291,7 +313,7 @@ def tokenize_dataset(
             prompts = [""] * len(batch[TEXT_FIELD])
             responses = [_as_text(text) for text in batch[TEXT_FIELD]]
         # Prompt and response are tokenized apart, so the label boundary falls exactly between their tokens.
-        prompt_ids = tokenizer(prompts, add_special_tokens=True)["input_ids"]
+        prompt_ids = tokenizer(prompts, add_special_tokens=not chat_prompt)["input_ids"]
         response_ids = tokenizer(responses, add_special_tokens=False)["input_ids"]
         features = {"input_ids": [], "attention_mask": [], "labels": []}
         for prompt, response in zip(prompt_ids, response_ids, strict=True):
@@ -379,12 +401,7 @@ def lora_config(*, rank: int, alpha: float, dropout: float, target_modules: Sequ
 
     `target_modules=None` means the model's attention projections, filled in by `add_lora`.
     """
-    if rank < 1:
-        raise FineTuningError(f"--lora_rank must be at least 1, got {rank}.")
-    if not 0.0 <= dropout < 1.0:
-        raise FineTuningError(f"--lora_dropout must be in [0, 1), got {dropout}.")
-    if target_modules is not None and not target_modules:
-        raise FineTuningError("--lora_target_modules is empty; name at least one module, e.g. q_proj v_proj.")
+    check_lora_values(rank, dropout, target_modules)
     return LoraConfig(
         task_type=TaskType.CAUSAL_LM,
         r=rank,
@@ -395,50 +412,13 @@ def lora_config(*, rank: int, alpha: float, dropout: float, target_modules: Sequ
 
 
 def attention_projections(model: PreTrainedModel) -> list[str]:
-    """The attention projection names this model has, in `ATTENTION_PROJECTIONS` order."""
-    names = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
-    return [name for name in ATTENTION_PROJECTIONS if name in names]
-
-
-def check_target_modules(model: PreTrainedModel, targets: Sequence[str] | str) -> None:
-    """Every `--lora_target_modules` name must match a layer: PEFT refuses only when none does, and silently
-    leaves out the others (a misspelt `v_prj` next to `q_proj` trains without its adapter)."""
-    if isinstance(targets, str):  # a regular expression, which PEFT matches against the full names itself
-        return
-    modules = dict(model.named_modules())
-    unknown = [
-        target for target in targets if not any(name == target or name.endswith(f".{target}") for name in modules)
-    ]
-    if unknown:
-        available = sorted(
-            {name.rsplit(".", 1)[-1] for name, module in modules.items() if isinstance(module, LORA_LAYERS)}
-        )
-        raise FineTuningError(
-            f"--lora_target_modules: {type(model).__name__} has no module named {', '.join(map(repr, unknown))}. "
-            f"Its layers that LoRA can adapt: {' '.join(available)}."
-        )
+    """The attention projection names this model has: LoRA's default targets."""
+    return default_targets("lora", model)[0]
 
 
 def add_lora(model: PreTrainedModel, config: LoraConfig) -> PeftModel:
-    """Wrap `model` with trainable LoRA adapters, checking that the attention flags survive the wrapping.
-
-    The base model keeps its own generation config, which its forward reads the flags from; a wrapper that
-    replaced it would silently turn flash attention off.
-    """
-    if config.target_modules is None:
-        config.target_modules = set(attention_projections(model))
-    else:
-        check_target_modules(model, config.target_modules)
-    generation_config = model.generation_config
-    flags = attention_flags_of(generation_config)
-    try:
-        peft_model = get_peft_model(model, config)
-    except ValueError as error:  # e.g. "Target modules {...} not found in the base model"
-        raise FineTuningError(f"--lora_target_modules: {error}") from None
-    base_config = peft_model.get_base_model().generation_config
-    if base_config is not generation_config or attention_flags_of(base_config) != flags:
-        raise RuntimeError("PEFT replaced the base model's generation config: the attention flags would be lost.")
-    return peft_model
+    """Wrap `model` with trainable LoRA adapters (its attention projections unless `config` names targets)."""
+    return add_adapter(model, config, "lora")
 
 
 # --- training ---------------------------------------------------------------------------------------------------

@@ -19,6 +19,8 @@ from .gaudi_training_arguments import (
     attention_flag_from,
     check_gaudi_training_arguments,
 )
+from .peft_methods import PeftArguments
+from .sharded_training import prepare_sharding_arguments
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -100,6 +102,13 @@ class DataArguments:
     output_column_name: str | None = field(
         default=None, metadata={"help": "The data's column that holds the response (default: output)."}
     )
+    chat_prompt: bool = field(
+        default=False,
+        metadata={
+            "help": "Put each instruction (and its input) in the model's chat template as the user's turn, instead of "
+            "the '### Instruction:' prompt."
+        },
+    )
     keep_linebreaks: bool = field(
         default=False,
         metadata={"help": "Keep each .txt line's line break in its text (Optimum-Habana's default is True)."},
@@ -155,6 +164,7 @@ ARGUMENT_CLASSES = (
     ModelArguments,
     DataArguments,
     LoraArguments,
+    PeftArguments,
     AttentionArguments,
     GenerationArguments,
     OutputArguments,
@@ -169,11 +179,13 @@ class Arguments:
     model: ModelArguments
     data: DataArguments
     lora: LoraArguments
+    peft: PeftArguments
     attention: Any  # AttentionArguments
     generation: GenerationArguments
     output: OutputArguments
     gaudi: GaudiTrainingArguments
     training: TrainingArguments
+    notes: list[str] = field(default_factory=list)  # what options given for Gaudi or for launchers do here
 
 
 def parse_arguments(parser: HfArgumentParser, argv: list[str]) -> Arguments:
@@ -184,6 +196,11 @@ def parse_arguments(parser: HfArgumentParser, argv: list[str]) -> Arguments:
     """
     _, unknown = parser.parse_known_args(argv)
     problems = [f"unrecognized arguments: {' '.join(unknown)}"] if unknown else []
+    notes: list[str] = []
+    try:  # before TrainingArguments, which reads the DeepSpeed and FSDP files in its constructor
+        argv, notes = prepare_sharding_arguments(argv, launch_environment())
+    except ValueError as error:
+        usage_error(parser, "; ".join([*problems, str(error)]))
     try:
         *groups, _ = parser.parse_args_into_dataclasses(
             args=argv, look_for_args_file=False, return_remaining_strings=True
@@ -191,7 +208,7 @@ def parse_arguments(parser: HfArgumentParser, argv: list[str]) -> Arguments:
     except ValueError as error:  # TrainingArguments' own checks
         problems.append(str(error).strip())
     if not problems:
-        arguments = Arguments(*groups)
+        arguments = Arguments(*groups, notes=notes)
         # Optimum-Habana's --attn_implementation is another way to say --use_flash_attention (or --use-flash-attention).
         given = any(token.split("=")[0].replace("-", "_") == "__use_flash_attention" for token in argv)
         try:
@@ -211,7 +228,7 @@ def gaudi_options(args: Arguments) -> list[str]:
     try:
         check_gaudi_training_arguments(args.gaudi)
         dtype = resolve_dtype(args.model.torch_dtype, training_args)
-        notes = apply_gaudi_training_arguments(args.gaudi, training_args, training_args.device, dtype)
+        notes = [*args.notes, *apply_gaudi_training_arguments(args.gaudi, training_args, training_args.device, dtype)]
     except ValueError as error:
         raise finetuning.FineTuningError(str(error)) from None
     if args.model.low_cpu_mem_usage:

@@ -50,6 +50,10 @@ class GaudiTrainingArguments:
         default=0,
         metadata={"help": "Steps left out of train_samples_per_second (compilation and first-step costs)."},
     )
+    adjust_throughput: bool = field(
+        default=False,
+        metadata={"help": "Leave the time spent logging, evaluating and saving out of train_samples_per_second."},
+    )
     cache_size_limit: int | None = field(
         default=None, metadata={"help": "TorchDynamo's recompilation limit per frame (torch._dynamo.config)."}
     )
@@ -58,7 +62,10 @@ class GaudiTrainingArguments:
         metadata={"help": "TorchDynamo: treat integer attributes of modules as dynamic (torch._dynamo.config)."},
     )
     context_parallel_size: int = field(
-        default=1, metadata={"help": "Context parallelism over devices; only 1 (none) is supported here."}
+        default=1,
+        metadata={
+            "help": "Devices one sequence is split over (DeepSpeed Ulysses): not supported over processes here."
+        },
     )
     # Gaudi-only switches: each prints what it does on this device.
     use_habana: bool = field(default=False, metadata={"help": "Gaudi: train on the HPU (used whenever present)."})
@@ -94,12 +101,8 @@ def attention_flag_from(arguments: GaudiTrainingArguments, use_flash_attention: 
 
 def check_gaudi_training_arguments(arguments: GaudiTrainingArguments) -> None:
     """Values that cannot work here; each a ValueError naming the flag."""
-    if arguments.context_parallel_size != 1:
-        raise ValueError(
-            f"--context_parallel_size {arguments.context_parallel_size}: context parallelism is not supported here. "
-            "Use data parallelism (torchrun --nproc-per-node N) and --padding_free or --gradient_checkpointing for "
-            "long sequences."
-        )
+    if arguments.context_parallel_size < 1:
+        raise ValueError(f"--context_parallel_size must be at least 1, got {arguments.context_parallel_size}.")
     if arguments.throughput_warmup_steps < 0:
         raise ValueError(f"--throughput_warmup_steps must be 0 or more, got {arguments.throughput_warmup_steps}.")
     if arguments.warmup_ratio is not None and not 0 <= arguments.warmup_ratio < 1:
@@ -122,6 +125,23 @@ def apply_gaudi_training_arguments(
         torch._dynamo.config.allow_unspec_int_on_nn_module = True
     on_hpu = device.type == "hpu"
     notes = []
+    if arguments.context_parallel_size > 1:
+        if training_args.world_size > 1:
+            raise ValueError(
+                f"--context_parallel_size {arguments.context_parallel_size}: splitting sequences over processes "
+                "(DeepSpeed Ulysses) is not supported here. Train data parallel (torchrun --nproc-per-node N) with "
+                "--use_flash_attention and --gradient_checkpointing, which fit long sequences in one device."
+            )
+        notes.append(
+            f"--context_parallel_size {arguments.context_parallel_size}: one process here, so every sequence "
+            "trains whole on this device (with --use_flash_attention its attention memory grows linearly)."
+        )
+    if training_args.torch_compile_backend == "hpu_backend" and not on_hpu:
+        training_args.torch_compile_backend = "inductor"
+        notes.append(
+            f"--torch_compile_backend hpu_backend: Gaudi's compiler; no Gaudi here, so torch.compile uses inductor "
+            f"on {device.type}."
+        )
     if arguments.use_habana and not on_hpu:
         notes.append(f"--use_habana: no Gaudi device here; training runs on {device.type}.")
     if arguments.use_lazy_mode is not None:
@@ -160,26 +180,54 @@ def apply_gaudi_training_arguments(
 
 
 class ThroughputAfterWarmup(TrainerCallback):
-    """`train_samples_per_second` over the steps after the first `warmup_steps`, as Optimum-Habana reports it."""
+    """`train_samples_per_second` as Optimum-Habana reports it: over the steps after the first `warmup_steps`, up
+    to the end of the last step, and with `adjust` without the time spent logging, evaluating and saving.
 
-    def __init__(self, warmup_steps: int) -> None:
+    The Trainer logs, evaluates and saves right after `on_step_end`, and calls `on_log`/`on_evaluate`/`on_save`
+    when each is done, so the time from a step's end to the last of those is what `adjust` leaves out.
+    """
+
+    def __init__(self, warmup_steps: int, adjust: bool = False) -> None:
         self.warmup_steps = warmup_steps
+        self.adjust = adjust
         self.start: float | None = None
         self.start_step = 0
+        self.last_step_end: float | None = None
+        self.last_step = 0
+        self.left_out = 0.0  # seconds of logging, evaluation and saving after the start
 
     def on_train_begin(self, args, state, control, **kwargs):
         if state.global_step >= self.warmup_steps:  # no warm-up, or resumed past it
             self.start, self.start_step = time.perf_counter(), state.global_step
 
     def on_step_end(self, args, state, control, **kwargs):
+        now = time.perf_counter()
         if self.start is None and state.global_step == self.warmup_steps:
-            self.start, self.start_step = time.perf_counter(), state.global_step
+            self.start, self.start_step = now, state.global_step
+        self.last_step_end, self.last_step = now, state.global_step
 
-    def samples_per_second(self, global_step: int, samples_per_step: int) -> float | None:
+    def on_log(self, args, state, control, **kwargs):
+        self._leave_out_since_step_end()
+
+    def on_evaluate(self, args, state, control, **kwargs):
+        self._leave_out_since_step_end()
+
+    def on_save(self, args, state, control, **kwargs):
+        self._leave_out_since_step_end()
+
+    def _leave_out_since_step_end(self) -> None:
+        if not self.adjust or self.start is None or self.last_step_end is None:
+            return
+        now = time.perf_counter()
+        self.left_out += now - self.last_step_end
+        self.last_step_end = now  # the next event of the same step counts from here
+
+    def samples_per_second(self, samples_per_step: int) -> float | None:
         """None when training ended before the warm-up did."""
-        if self.start is None or global_step <= self.start_step:
+        if self.start is None or self.last_step_end is None or self.last_step <= self.start_step:
             return None
-        return (global_step - self.start_step) * samples_per_step / (time.perf_counter() - self.start)
+        seconds = self.last_step_end - self.start - self.left_out
+        return (self.last_step - self.start_step) * samples_per_step / seconds
 
 
 __all__ = [

@@ -39,6 +39,20 @@ RUN_DEFINING_ARGUMENTS = (
     "lora_alpha",
     "lora_dropout",
     "lora_target_modules",
+    "peft_type",
+    "adalora_init_r",
+    "adalora_target_r",
+    "adalora_tinit",
+    "adalora_tfinal",
+    "adalora_delta_t",
+    "adalora_orth_reg_weight",
+    "ia3_target_modules",
+    "feedforward_modules",
+    "adapter_layers",
+    "adapter_len",
+    "vera_target_modules",
+    "ln_target_modules",
+    "chat_prompt",
 )
 # Compared as absolute paths when they name something local, so that `data.jsonl` and `./data.jsonl` agree.
 PATH_ARGUMENTS = ("model_name_or_path", "train_file")

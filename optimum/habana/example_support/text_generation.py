@@ -751,16 +751,21 @@ def optimum_habana_results(stats: dict[str, Any], prompts: Sequence[str], texts:
 
 
 def apply_peft_adapter(model: Any, adapter_dir: str) -> Any:
-    """Merge a LoRA adapter into the model: the result is the same model class, with no PEFT wrapper at run time.
+    """Merge a PEFT adapter into the model: the result is the same model class, with no PEFT wrapper at run time.
 
-    The folder and its fit to the model are checked first (AdapterError names the file and the problem): PEFT's
-    own errors for a junk config or mismatched shapes are tracebacks from deep inside it.
+    An adaption prompt (llama-adapter) cannot be merged into weights: its adapted attention layers stay inside the
+    model, which is returned unwrapped all the same. The folder and its fit to the model are checked first
+    (AdapterError names the file and the problem): PEFT's own errors for a junk config or mismatched shapes are
+    tracebacks from deep inside it.
     """
-    from peft import PeftModel  # imported here: only this option needs it
+    from peft import PeftModel, PeftType  # imported here: only this option needs it
 
-    check_adapter_folder(adapter_dir, "--peft_model")
+    config = check_adapter_folder(adapter_dir, "--peft_model")
     check_adapter_matches(adapter_dir, model, "--peft_model")
-    return PeftModel.from_pretrained(model, str(Path(adapter_dir).expanduser())).merge_and_unload()
+    peft_model = PeftModel.from_pretrained(model, str(Path(adapter_dir).expanduser()))
+    if config["peft_type"] == PeftType.ADAPTION_PROMPT.value:
+        return peft_model.get_base_model()
+    return peft_model.merge_and_unload()
 
 
 def decode_new_tokens(tokenizer: PreTrainedTokenizerBase, output: torch.Tensor, input_length: int) -> list[str]:
