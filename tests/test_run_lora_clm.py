@@ -20,7 +20,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 from transformers import AutoModelForCausalLM, LlamaForCausalLM, PreTrainedTokenizerFast, TrainerCallback
 
 from optimum.habana import GaudiLlamaForCausalLM
-from optimum.habana.example_support import finetuning
+from optimum.habana.example_support import finetuning, prompts
 from optimum.habana.example_support.arguments import AttentionArguments
 from optimum.habana.example_support.finetuning import IGNORE_INDEX, FineTuningError
 from optimum.habana.transformers import attention
@@ -55,7 +55,7 @@ def tokenizer() -> PreTrainedTokenizerFast:
 def build_tokenizer() -> PreTrainedTokenizerFast:
     """Word-level, trained on the shipped dataset laid out in the prompt template, so every word has an id."""
     rows = [json.loads(line) for line in DATA_FILE.read_text().splitlines()]
-    texts = [finetuning.build_prompt(row["instruction"], row["input"]) + row["output"] for row in rows]
+    texts = [prompts.build_prompt(row["instruction"], row["input"]) + row["output"] for row in rows]
     backend = Tokenizer(models.WordLevel(unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.Whitespace()
     backend.train_from_iterator(texts, trainers.WordLevelTrainer(special_tokens=["<pad>", "<s>", "</s>", "<unk>"]))
@@ -250,7 +250,7 @@ def test_saved_adapter_changes_run_generation_output(trained, checkpoint, tmp_pa
     """run_generation.py --peft_model merges the saved adapter: same prompt, same greedy decoding, other text."""
     run_generation = load_run_generation()
     _, adapter_dir = trained
-    prompt = finetuning.build_prompt("What is the capital of Greece?")
+    prompt = prompts.build_prompt("What is the capital of Greece?")
     texts = {}
     for name, extra in {"base": [], "adapted": ["--peft_model", str(adapter_dir)]}.items():
         output_dir = tmp_path / name
@@ -329,15 +329,15 @@ def test_usage_error_as_a_script_exits_2_without_traceback(tmp_path):
 
 
 def test_prompt_template():
-    assert finetuning.build_prompt("Sort.", "b, a") == "### Instruction:\nSort.\n\n### Input:\nb, a\n\n### Response:\n"
-    assert finetuning.build_prompt("Why?", "") == finetuning.build_prompt("Why?", None)
-    assert "### Input:" not in finetuning.build_prompt("Why?", " ")
+    assert prompts.build_prompt("Sort.", "b, a") == "### Instruction:\nSort.\n\n### Input:\nb, a\n\n### Response:\n"
+    assert prompts.build_prompt("Why?", "") == prompts.build_prompt("Why?", None)
+    assert "### Input:" not in prompts.build_prompt("Why?", " ")
 
 
 def test_instruction_labels_cover_only_the_response(tokenizer):
     dataset = datasets.Dataset.from_list([{"instruction": "What is 2 * 7?", "input": "", "output": "2 * 7 = 14"}])
     (example,) = finetuning.tokenize_dataset(dataset, tokenizer, "instruction", max_seq_length=512)
-    prompt_length = len(tokenizer(finetuning.build_prompt("What is 2 * 7?"))["input_ids"])
+    prompt_length = len(tokenizer(prompts.build_prompt("What is 2 * 7?"))["input_ids"])
     response = tokenizer("2 * 7 = 14", add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
     assert example["labels"] == [IGNORE_INDEX] * prompt_length + response
     assert example["input_ids"][prompt_length:] == response

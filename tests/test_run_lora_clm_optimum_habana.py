@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import EvalPrediction, TrainerCallback, TrainingArguments
 
-from optimum.habana.example_support import finetuning, gaudi_training_arguments
+from optimum.habana.example_support import finetuning, gaudi_training_arguments, prompts
 from optimum.habana.example_support.gaudi_training_arguments import (
     GaudiTrainingArguments,
     apply_gaudi_training_arguments,
@@ -284,17 +284,17 @@ def test_chat_prompt_puts_the_instruction_in_the_chat_template(script, tokenizer
         seed=0,
     )
     row = raw["train"][0]
-    tokenized = finetuning.tokenize_dataset(raw["train"].select([0]), chat, data_format, 256, chat_prompt=True)[0]
-    prompt = finetuning.build_chat_prompt(chat, row["instruction"], row["input"])
+    tokenized = finetuning.tokenize_dataset(raw["train"].select([0]), chat, data_format, 256, prompt_style="chat")[0]
+    prompt = prompts.build_chat_prompt(chat, row["instruction"], row["input"])
     assert prompt.startswith("<s> user : " + row["instruction"].split()[0]) and prompt.endswith("<s> assistant :")
     prompt_ids = chat(prompt, add_special_tokens=False)["input_ids"]
     assert tokenized["input_ids"][: len(prompt_ids)] == prompt_ids  # the template's own specials, nothing added
     assert tokenized["labels"][: len(prompt_ids)] == [finetuning.IGNORE_INDEX] * len(prompt_ids)
     assert tokenized["labels"][len(prompt_ids)] != finetuning.IGNORE_INDEX  # the response is learned
     with pytest.raises(finetuning.FineTuningError, match="--chat_prompt: the model's tokenizer has no chat template"):
-        finetuning.tokenize_dataset(raw["train"].select([0]), tokenizer, data_format, 256, chat_prompt=True)
+        finetuning.tokenize_dataset(raw["train"].select([0]), tokenizer, data_format, 256, prompt_style="chat")
     with pytest.raises(finetuning.FineTuningError, match="--chat_prompt formats instruction data"):
-        finetuning.check_chat_prompt(chat, "text")
+        prompts.check_prompt_style("chat", chat, "text")
 
 
 class FakeClock:

@@ -40,6 +40,7 @@ from optimum.habana.example_support import (
     data_options,
     failures,
     finetuning,
+    loading_options,
     outputs,
     peft_methods,
     run_record,
@@ -57,6 +58,7 @@ from optimum.habana.example_support.finetuning_arguments import (
     usage_error,
 )
 from optimum.habana.example_support.gaudi_training_arguments import ThroughputAfterWarmup
+from optimum.habana.example_support.prompts import build_styled_prompt
 from optimum.habana.example_support.trainer import (
     FiniteLossTrainer,
     NonFiniteLossError,
@@ -114,6 +116,8 @@ def run(
         flags = finetuning.attention_flags_from(attention_args)
         notes = gaudi_options(args)
         check_arguments(data_args, generation_args, training_args)
+        prompt_style = loading_options.prompt_style(data_args)
+        loading_options.apply_sql_columns(data_args)
         resume = outputs.parse_resume_value(training_args.resume_from_checkpoint)
         outputs.check_overwrite_and_resume(output_args.overwrite_output_dir, resume, training_args.output_dir)
         # Under torchrun one process at a time: another's write probe would make the folder look non-empty.
@@ -127,8 +131,12 @@ def run(
         progress.phase = "loading the model"
         # Under torchrun the first process of each machine resolves (converts a .gguf once); the others then load.
         with training_args.main_process_first(local=True, desc="resolving the model"):
-            resolved = resolve_model(model_args.model_name_or_path)
+            resolved = resolve_model(model_args.model_name_or_path, **loading_options.hub_options(model_args))
         finetuning.check_max_seq_length(data_args.max_seq_length, resolved)
+        config = loading_options.load_config_override(model_args.config_name, model_args.token)
+        loading_options.check_config_fits(config, resolved.path)
+        tokenizer_override = loading_options.load_tokenizer_override(model_args.tokenizer_name, model_args.token)
+        notes += loading_options.loading_notes(model_args, data_args, resolved)
         peft_methods.check_model_supports(args.peft, AutoConfig.from_pretrained(resolved.path))
         if data_args.train_file is None and data_args.dataset_name is None:
             data_args.train_file = str(DEFAULT_TRAIN_FILE)
@@ -148,9 +156,14 @@ def run(
             dataset_name=data_args.dataset_name,
             dataset_config_name=data_args.dataset_config_name,
             validation_split_percentage=data_args.validation_split_percentage,
-            seed=training_args.seed,
+            seed=training_args.seed if data_args.dataset_seed is None else data_args.dataset_seed,
             columns=data_options.column_renames(data_args),
             keep_linebreaks=data_args.keep_linebreaks,
+            load_options={
+                "keep_in_memory": data_args.keep_in_memory,
+                **({"cache_dir": model_args.cache_dir} if model_args.cache_dir else {}),
+                **({"token": model_args.token} if model_args.token else {}),
+            },
         )
         raw_datasets = data_options.limit_examples(
             raw_datasets, data_args.max_train_samples, data_args.max_eval_samples
@@ -165,6 +178,8 @@ def run(
         from_pretrained = (
             {"attn_implementation": args.gaudi.attn_implementation} if args.gaudi.attn_implementation else {}
         )
+        if config is not None:
+            from_pretrained["config"] = config
         loaded = load_model_and_tokenizer(
             model_args.model_name_or_path,
             dtype=dtype,
@@ -172,7 +187,7 @@ def run(
             resolved=resolved,
             **from_pretrained,
         )
-        model, tokenizer = loaded.model, loaded.tokenizer
+        model, tokenizer = loaded.model, tokenizer_override or loaded.tokenizer
         # Before PEFT wraps the model: its forward reads the flags from here on every call.
         finetuning.set_attention_flags(model, flags)
         peft_config = peft_methods.peft_config(args.peft, lora_args, model)
@@ -204,7 +219,8 @@ def run(
                 data_format,
                 None if data_args.dataset_concatenation else data_args.max_seq_length,
                 train_on_inputs=args.gaudi.train_on_inputs,
-                chat_prompt=data_args.chat_prompt,
+                prompt_style=prompt_style,
+                load_from_cache_file=False if data_args.overwrite_cache else None,
             )
             if data_args.dataset_concatenation:
                 tokenized = finetuning.pack_sequences(tokenized, data_args.max_seq_length)
@@ -296,7 +312,7 @@ def run(
     if generation_args.generation_samples > 0:
         progress.phase = "generating samples"
         generations = generate_samples(
-            model, tokenizer, raw_datasets, data_format, generation_args, chat_prompt=data_args.chat_prompt
+            model, tokenizer, raw_datasets, data_format, generation_args, prompt_style=prompt_style
         )
         if trainer.is_world_process_zero():
             atomic_write_text(output_dir / "generations.json", json.dumps(generations, indent=2) + "\n")
@@ -355,18 +371,13 @@ def generate_samples(
     raw_datasets: Any,
     data_format: finetuning.DataFormat,
     generation_args: GenerationArguments,
-    chat_prompt: bool = False,
+    prompt_style: str = "instruction",
 ) -> list[dict[str, str]]:
     """Complete the first validation (else training) prompts: a quick look at what the fine-tuning did."""
     source = raw_datasets["validation"] if "validation" in raw_datasets else raw_datasets["train"]
     rows = source.select(range(min(generation_args.generation_samples, source.num_rows)))
     if data_format == "instruction":
-        prompts = [
-            finetuning.build_chat_prompt(tokenizer, row["instruction"], row.get("input"))
-            if chat_prompt
-            else finetuning.build_prompt(row["instruction"], row.get("input"))
-            for row in rows
-        ]
+        prompts = [build_styled_prompt(prompt_style, tokenizer, row["instruction"], row.get("input")) for row in rows]
         references = [str(row["output"]) for row in rows]
     else:
         # Plain text: the first half of each line is the prompt, the rest the reference.

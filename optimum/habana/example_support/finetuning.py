@@ -13,7 +13,7 @@ import math
 from collections.abc import Sequence
 from itertools import chain
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from datasets import Dataset, DatasetDict, load_dataset
@@ -34,20 +34,16 @@ from .arguments import AttentionArguments
 from .data_options import rename_columns
 from .errors import FineTuningError
 from .peft_methods import add_adapter, check_lora_values, default_targets
+from .prompts import DataFormat, as_text, build_styled_prompt, check_prompt_style
 
 
 logger = logging.getLogger(__name__)
-
-DataFormat = Literal["instruction", "text"]
 
 # `datasets` builder for each supported data file extension (".json" may hold JSON lines or one JSON array).
 DATA_FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".txt": "text"}
 INSTRUCTION_FIELDS = ("instruction", "input", "output")
 REQUIRED_INSTRUCTION_FIELDS = ("instruction", "output")
 TEXT_FIELD = "text"
-
-PROMPT_TEMPLATE = "### Instruction:\n{instruction}\n\n### Response:\n"
-PROMPT_TEMPLATE_WITH_INPUT = "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
 
 # Label of the tokens that carry no loss (prompt and padding): the ignore_index of transformers' causal LM loss.
 IGNORE_INDEX = -100
@@ -66,20 +62,23 @@ def load_raw_datasets(
     seed: int = 42,
     columns: dict[str, str] | None = None,
     keep_linebreaks: bool = False,
+    load_options: dict[str, Any] | None = None,
 ) -> tuple[DatasetDict, DataFormat]:
     """The "train" (and, when there is one, "validation") split, and whether it is instruction data or plain text.
 
     Without a validation file or split, `validation_split_percentage` percent of the training data is held out.
-    `columns` renames columns first (`{their name: ours}`); `keep_linebreaks` keeps each .txt line's newline.
+    `columns` renames columns first (`{their name: ours}`); `keep_linebreaks` keeps each .txt line's newline;
+    `load_options` go to `datasets.load_dataset` (keep_in_memory, and cache_dir and token for the hub).
     Every problem with the data is a FineTuningError that names the file and the problem.
     """
     if not 0 <= validation_split_percentage < 100:
         raise FineTuningError(f"--validation_split_percentage must be in [0, 100), got {validation_split_percentage}.")
     if dataset_name is not None and train_file is not None:
         raise FineTuningError("Pass either --dataset_name or --train_file, not both.")
-    options = {"columns": columns or {}, "keep_linebreaks": keep_linebreaks}
+    load_options = load_options or {}
+    options = {"columns": columns or {}, "keep_linebreaks": keep_linebreaks, "load_options": load_options}
     if dataset_name is not None:
-        datasets = load_hub_dataset(dataset_name, dataset_config_name)
+        datasets = load_hub_dataset(dataset_name, dataset_config_name, **load_options)
         datasets = DatasetDict(
             {split: rename_columns(data, options["columns"], dataset_name) for split, data in datasets.items()}
         )
@@ -124,7 +123,11 @@ def check_max_seq_length(max_seq_length: int, resolved: ResolvedModel) -> None:
 
 
 def load_data_file(
-    path: str, argument: str, columns: dict[str, str] | None = None, keep_linebreaks: bool = False
+    path: str,
+    argument: str,
+    columns: dict[str, str] | None = None,
+    keep_linebreaks: bool = False,
+    load_options: dict[str, Any] | None = None,
 ) -> Dataset:
     """One json, jsonl, csv or txt file (one example per line for txt), through the `datasets` builders."""
     file = Path(path).expanduser()
@@ -140,6 +143,7 @@ def load_data_file(
     check_utf8(file, argument)
     try:
         options = {"keep_linebreaks": True} if builder == "text" and keep_linebreaks else {}
+        options.update(keep_in_memory=bool((load_options or {}).get("keep_in_memory")))
         dataset = load_dataset(builder, data_files=str(file), split="train", **options)
     except DatasetGenerationError as error:
         cause = error.__cause__ or error
@@ -211,10 +215,10 @@ def row_location(file: Path, index: int, rows: int) -> str:
     return f"row {index + 1}"
 
 
-def load_hub_dataset(name: str, config_name: str | None) -> DatasetDict:
+def load_hub_dataset(name: str, config_name: str | None, **load_options: Any) -> DatasetDict:
     """A dataset from the Hugging Face Hub; an unreachable hub or an unknown name is a FineTuningError."""
     try:
-        datasets = load_dataset(name, config_name)
+        datasets = load_dataset(name, config_name, **load_options)
     except (OSError, ValueError) as error:  # ConnectionError and DatasetNotFoundError are OSErrors
         detail = (str(error).strip().splitlines() or [""])[0]
         raise FineTuningError(
@@ -246,56 +250,24 @@ def data_format_of(dataset: Dataset, source: str) -> DataFormat:
 # --- prompts, labels, packing -----------------------------------------------------------------------------------
 
 
-def build_prompt(instruction: Any, input: Any = None) -> str:
-    """The prompt of an instruction example: what the model sees before the response it learns to write.
-
-    Use the same text when prompting the fine-tuned model, e.g. with run_generation.py.
-    """
-    instruction, input = _as_text(instruction), _as_text(input)
-    if input.strip():
-        return PROMPT_TEMPLATE_WITH_INPUT.format(instruction=instruction, input=input)
-    return PROMPT_TEMPLATE.format(instruction=instruction)
-
-
-def build_chat_prompt(tokenizer: PreTrainedTokenizerBase, instruction: Any, input: Any = None) -> str:
-    """`--chat_prompt`: the instruction (and its input, after a blank line) as the user turn of the model's own chat
-    template, ending where the assistant's answer starts. The template brings its special tokens."""
-    instruction, input = _as_text(instruction), _as_text(input)
-    content = f"{instruction}\n\n{input}" if input.strip() else instruction
-    return tokenizer.apply_chat_template(
-        [{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True
-    )
-
-
-def check_chat_prompt(tokenizer: PreTrainedTokenizerBase, data_format: DataFormat) -> None:
-    if data_format != "instruction":
-        raise FineTuningError(
-            "--chat_prompt formats instruction data (instruction/input/output fields); this data is plain text."
-        )
-    if not tokenizer.chat_template:
-        raise FineTuningError(
-            "--chat_prompt: the model's tokenizer has no chat template; leave --chat_prompt out to use the "
-            "'### Instruction:' prompt."
-        )
-
-
 def tokenize_dataset(
     dataset: Dataset,
     tokenizer: PreTrainedTokenizerBase,
     data_format: DataFormat,
     max_seq_length: int | None,
     train_on_inputs: bool = False,
-    chat_prompt: bool = False,
+    prompt_style: str = "instruction",
+    load_from_cache_file: bool | None = None,
 ) -> Dataset:
     """`input_ids`, `attention_mask` and `labels` for each example, truncated to `max_seq_length` (None: not).
 
     Instruction data: the loss is on the response tokens and the end-of-sequence token, and on the prompt only
-    with `train_on_inputs` (Optimum-Habana's default); `chat_prompt` puts the instruction in the model's chat
-    template instead of the '### Instruction:' prompt.
+    with `train_on_inputs` (Optimum-Habana's default); `prompt_style` "chat" puts the instruction in the model's
+    chat template, "sql" in the SQL prompt, instead of the '### Instruction:' prompt. `load_from_cache_file` False
+    tokenizes again instead of reusing datasets' cache.
     Plain text: the loss is on every token. Examples left with nothing to learn after truncation are dropped.
     """
-    if chat_prompt:
-        check_chat_prompt(tokenizer, data_format)
+    check_prompt_style(prompt_style, tokenizer, data_format)
     if tokenizer.eos_token_id is None:
         raise FineTuningError("The tokenizer has no end-of-sequence token; fine-tuning needs one to end examples.")
     if max_seq_length is not None and max_seq_length < 1:
@@ -305,15 +277,15 @@ def tokenize_dataset(
         if data_format == "instruction":
             inputs = batch.get("input") or [""] * len(batch["instruction"])
             prompts = [
-                build_chat_prompt(tokenizer, instruction, input) if chat_prompt else build_prompt(instruction, input)
+                build_styled_prompt(prompt_style, tokenizer, instruction, input)
                 for instruction, input in zip(batch["instruction"], inputs, strict=True)
             ]
-            responses = [_as_text(output) for output in batch["output"]]
+            responses = [as_text(output) for output in batch["output"]]
         else:
             prompts = [""] * len(batch[TEXT_FIELD])
-            responses = [_as_text(text) for text in batch[TEXT_FIELD]]
+            responses = [as_text(text) for text in batch[TEXT_FIELD]]
         # Prompt and response are tokenized apart, so the label boundary falls exactly between their tokens.
-        prompt_ids = tokenizer(prompts, add_special_tokens=not chat_prompt)["input_ids"]
+        prompt_ids = tokenizer(prompts, add_special_tokens=prompt_style != "chat")["input_ids"]
         response_ids = tokenizer(responses, add_special_tokens=False)["input_ids"]
         features = {"input_ids": [], "attention_mask": [], "labels": []}
         for prompt, response in zip(prompt_ids, response_ids, strict=True):
@@ -327,7 +299,13 @@ def tokenize_dataset(
             features["labels"].append(labels)
         return features
 
-    tokenized = dataset.map(tokenize, batched=True, remove_columns=dataset.column_names, desc="Tokenizing")
+    tokenized = dataset.map(
+        tokenize,
+        batched=True,
+        remove_columns=dataset.column_names,
+        desc="Tokenizing",
+        load_from_cache_file=load_from_cache_file,
+    )
     kept = tokenized.filter(has_loss_tokens, desc="Dropping examples with nothing to learn")
     if kept.num_rows < tokenized.num_rows:
         logger.warning(
@@ -362,11 +340,6 @@ def pack_sequences(dataset: Dataset, max_seq_length: int) -> Dataset:
 
     packed = dataset.map(pack, batched=True, remove_columns=dataset.column_names, desc="Packing")
     return packed.filter(has_loss_tokens, desc="Dropping blocks with nothing to learn")
-
-
-def _as_text(value: Any) -> str:
-    """Missing values (None, e.g. an empty CSV cell) are empty text; numbers (CSV) are their text."""
-    return "" if value is None else str(value)
 
 
 # --- attention flags and LoRA -----------------------------------------------------------------------------------

@@ -38,6 +38,20 @@ class ModelArguments:
     low_cpu_mem_usage: bool = field(
         default=False, metadata={"help": "Accepted for Optimum-Habana's command lines: transformers 5 always is."}
     )
+    config_name: str | None = field(
+        default=None, metadata={"help": "Load the model's config from here instead of from the model's folder."}
+    )
+    tokenizer_name: str | None = field(
+        default=None, metadata={"help": "Load the tokenizer from here instead of from the model's folder."}
+    )
+    token: str | None = field(default=None, metadata={"help": "Hugging Face Hub token for gated models and data."})
+    use_auth_token: bool = field(default=False, metadata={"help": "Deprecated upstream: use --token."})
+    cache_dir: str | None = field(default=None, metadata={"help": "Where hub downloads are cached."})
+    model_revision: str = field(default="main", metadata={"help": "Hub revision (branch, tag or commit) to load."})
+    use_fast_tokenizer: bool = field(default=True, metadata={"help": "transformers 5 has one tokenizer class."})
+    trust_remote_code: bool = field(default=False, metadata={"help": "Run a hub model's own code (not used here)."})
+    load_meta_device: bool = field(default=False, metadata={"help": "Build the model on the meta device first."})
+    flash_attention_fp8: bool = field(default=False, metadata={"help": "Gaudi: fused attention in fp8."})
     torch_dtype: str = field(
         default="auto",
         metadata={
@@ -108,6 +122,21 @@ class DataArguments:
             "help": "Put each instruction (and its input) in the model's chat template as the user's turn, instead of "
             "the '### Instruction:' prompt."
         },
+    )
+    sql_prompt: bool = field(
+        default=False,
+        metadata={
+            "help": "Text-to-SQL data: question/context/answer columns (unless the column options say otherwise) in "
+            "a SQL prompt."
+        },
+    )
+    overwrite_cache: bool = field(default=False, metadata={"help": "Tokenize again instead of using datasets' cache."})
+    keep_in_memory: bool = field(default=False, metadata={"help": "Load the data into memory, not memory-mapped."})
+    dataset_seed: int | None = field(
+        default=None, metadata={"help": "Seed of the validation split (default: --seed)."}
+    )
+    dataset_cache_directory: str | None = field(
+        default=None, metadata={"help": "Where datasets caches the processed data (HF_DATASETS_CACHE here)."}
     )
     keep_linebreaks: bool = field(
         default=False,

@@ -54,6 +54,10 @@ class GaudiTrainingArguments:
         default=False,
         metadata={"help": "Leave the time spent logging, evaluating and saving out of train_samples_per_second."},
     )
+    sdp_on_bf16: bool = field(
+        default=False,
+        metadata={"help": "Let PyTorch's math SDPA reduce in fp16/bf16 (faster, less exact), as upstream does."},
+    )
     cache_size_limit: int | None = field(
         default=None, metadata={"help": "TorchDynamo's recompilation limit per frame (torch._dynamo.config)."}
     )
@@ -119,6 +123,8 @@ def apply_gaudi_training_arguments(
         if training_args.warmup_steps:
             raise ValueError("--warmup_ratio and --warmup_steps both set the warm-up: pass one.")
         training_args.warmup_steps = arguments.warmup_ratio  # transformers 5 reads a value below 1 as the ratio
+    if arguments.sdp_on_bf16:  # PyTorch's switch, named cuda but read by its math SDPA backend on every device
+        torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(True)
     if arguments.cache_size_limit is not None:
         torch._dynamo.config.cache_size_limit = arguments.cache_size_limit
     if arguments.allow_unspec_int_on_nn_module:

@@ -53,6 +53,10 @@ RUN_DEFINING_ARGUMENTS = (
     "vera_target_modules",
     "ln_target_modules",
     "chat_prompt",
+    "sql_prompt",
+    "dataset_seed",
+    "config_name",
+    "tokenizer_name",
 )
 # Compared as absolute paths when they name something local, so that `data.jsonl` and `./data.jsonl` agree.
 PATH_ARGUMENTS = ("model_name_or_path", "train_file")

@@ -110,10 +110,17 @@ def cache_root() -> Path:
     return Path(platformdirs.user_cache_dir("optimum-gaudi-flash"))
 
 
-def resolve_model(model_name_or_path: str | None) -> ResolvedModel:
+def resolve_model(
+    model_name_or_path: str | None,
+    *,
+    revision: str | None = None,
+    cache_dir: str | None = None,
+    token: str | None = None,
+) -> ResolvedModel:
     """Resolve a ``--model_name_or_path`` value to a local checkpoint folder (see the module docstring for the rules).
 
-    Raises ``ModelResolutionError`` with a message that says what to pass instead when the value cannot be used.
+    `revision`, `cache_dir` and `token` apply to a hub repo only. Raises ``ModelResolutionError`` with a message
+    that says what to pass instead when the value cannot be used.
     """
     if model_name_or_path is None:
         path, converted = _cached_gguf_checkpoint(default_gguf_path())
@@ -144,7 +151,7 @@ def resolve_model(model_name_or_path: str | None) -> ResolvedModel:
     if _looks_like_path(value):
         raise ModelResolutionError(f"The path {value!r} does not exist. {_HINT}")
 
-    path = _download_from_hub(value)
+    path = _download_from_hub(value, revision=revision, cache_dir=cache_dir, token=token)
     check_weight_files(path)
     return ResolvedModel(path=path, source="hub", description=f"{value} (hub snapshot at {path})", converted=False)
 
@@ -305,7 +312,9 @@ def gguf_architecture(gguf_path: Path) -> str:
     return "unknown" if field is None else str(field.contents())
 
 
-def _download_from_hub(repo_id: str) -> Path:
+def _download_from_hub(
+    repo_id: str, *, revision: str | None = None, cache_dir: str | None = None, token: str | None = None
+) -> Path:
     """Download the checkpoint files of a hub repo (or find them in the hub cache) and return the snapshot folder."""
     # huggingface_hub reads HF_HUB_OFFLINE once, at import; reading it here also honours a value set afterwards.
     offline = _env_flag("HF_HUB_OFFLINE") or _env_flag("TRANSFORMERS_OFFLINE")
@@ -315,6 +324,9 @@ def _download_from_hub(repo_id: str) -> Path:
             allow_patterns=_HUB_ALLOW_PATTERNS,
             etag_timeout=_HUB_ETAG_TIMEOUT_S,
             local_files_only=offline,
+            revision=revision,
+            cache_dir=cache_dir,
+            token=token,
         )
     except (OSError, ValueError) as error:
         if offline:
