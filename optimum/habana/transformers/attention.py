@@ -15,6 +15,7 @@ except in a Gaudi model, which hands the attention their lengths instead (`packi
 import torch
 from torch import nn
 from transformers import AttentionInterface, PreTrainedConfig
+from transformers.generation.continuous_batching.cache import PagedAttentionCache
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from ..kernels.dispatch import FusedSDPAUnavailable, fused_sdpa, warn_once
@@ -47,6 +48,11 @@ IGNORED_ATTENTION_KWARGS = frozenset(
         "seq_idx",
     }
 )
+# What transformers' continuous batching passes besides its paged cache: the cache reads them in `update`, the
+# engine reads the logits ones; its 4-D mask already encodes every sequence's boundaries and cached tokens.
+CONTINUOUS_BATCHING_KWARGS = frozenset(
+    {"read_index", "write_index", "block_table", "logits_indices", "logits_processor_args"}
+)
 
 
 def gaudi_attention_forward(
@@ -75,6 +81,13 @@ def gaudi_attention_forward(
     Weights are returned by the default path only: the fused kernel never materialises them.
     """
     flags = call_attention_flags(kwargs)
+    cache = kwargs.pop("cache", None)
+    if isinstance(cache, PagedAttentionCache):  # continuous batching: the layer writes and reads its paged cache
+        key, value = cache.update(key_states=key, value_states=value, layer_idx=module.layer_idx, kwargs=kwargs)
+        for name in CONTINUOUS_BATCHING_KWARGS:
+            kwargs.pop(name, None)
+    elif cache is not None:
+        kwargs["cache"] = cache  # named among the unknown arguments below
     unknown = set(kwargs) - IGNORED_ATTENTION_KWARGS
     if unknown:
         raise TypeError(

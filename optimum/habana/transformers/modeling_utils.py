@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from transformers import GenerationConfig, PreTrainedConfig, PreTrainedModel
 from transformers.cache_utils import Cache
+from transformers.generation.continuous_batching.cache import PagedAttentionCache
 from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.processing_utils import Unpack
 from transformers.utils.generic import TransformersKwargs
@@ -36,6 +37,7 @@ from .attention_flags import (
     resolve_attention_flags,
 )
 from .cache import BucketedStaticCache
+from .continuous_batching import ChosenAttnImplementation, engine_flags, init_manager
 from .generation import GaudiGenerationConfig, GaudiGenerationMixin
 from .packing import can_run_packed, packed_sequence_lengths
 
@@ -84,8 +86,26 @@ class GaudiAttentionMixin(GaudiGenerationMixin):
         return attn_implementation
 
     def set_attn_implementation(self, attn_implementation: str | dict, **kwargs: Any) -> None:
+        if isinstance(attn_implementation, ChosenAttnImplementation):  # a continuous batching manager stopped
+            self.config._attn_implementation_internal = str(attn_implementation)
+            return
         super().set_attn_implementation(attn_implementation, **kwargs)
         self._apply_attn_implementation_default()
+
+    @torch.no_grad()
+    def init_continuous_batching(
+        self,
+        generation_config: GenerationConfig | None = None,
+        continuous_batching_config: Any = None,
+        workload_hints: Any = None,
+    ) -> Any:
+        """transformers' continuous batching manager, with the Gaudi attention on every call (`continuous_batching`).
+
+        `generate_batch` and `continuous_batching_context_manager` come through here too.
+        """
+        engine_generation_config = generation_config if generation_config is not None else self.generation_config
+        self._continuous_batching_flags = engine_flags(self.generation_config, engine_generation_config)
+        return init_manager(self, generation_config, continuous_batching_config, workload_hints)
 
     def _apply_attn_implementation_default(self) -> None:
         """Make the requested attention the model's default: the flags in `generation_config` follow it."""
@@ -154,7 +174,11 @@ class GaudiAttentionMixin(GaudiGenerationMixin):
         logits_to_keep: int | torch.Tensor = 0,
         **kwargs: Unpack[GaudiModelKwargs],
     ) -> CausalLMOutputWithPast:
-        flags = resolve_attention_flags(pop_attention_flags(kwargs), attention_flags_of(self.generation_config))
+        if isinstance(kwargs.get("cache"), PagedAttentionCache):  # a continuous batching step: the engine's flags
+            defaults = getattr(self, "_continuous_batching_flags", None) or attention_flags_of(self.generation_config)
+        else:
+            defaults = attention_flags_of(self.generation_config)
+        flags = resolve_attention_flags(pop_attention_flags(kwargs), defaults)
         flags = flags.as_dict()
         if flags["use_flash_attention"]:
             if kwargs.get("output_attentions") is None and self.config.output_attentions:
