@@ -67,7 +67,7 @@ def test_generate_batch_matches_generate_and_stock_continuous_batching(model_typ
     assert by_request(stock_outputs) == expected
     for use_flash_attention in (False, True):
         ours.generation_config.use_flash_attention = use_flash_attention
-        with count_attention_paths(monkeypatch) as counts:
+        with count_attention_paths(monkeypatch, profile=False) as counts:
             outputs = ours.generate_batch(
                 inputs=requests, generation_config=greedy_config(), continuous_batching_config=small_engine()
             )
@@ -103,7 +103,7 @@ def test_any_loaded_attn_implementation_serves_and_comes_back(implementation, tm
     flags_before = model.generation_config.to_dict()
     requests = prompts()
     expected = one_by_one(model, requests)
-    with count_attention_paths(monkeypatch) as counts:
+    with count_attention_paths(monkeypatch, profile=False) as counts:
         outputs = model.generate_batch(
             inputs=requests, generation_config=greedy_config(), continuous_batching_config=small_engine()
         )
@@ -117,14 +117,14 @@ def test_any_loaded_attn_implementation_serves_and_comes_back(implementation, tm
 def test_the_given_generation_config_carries_the_flag(monkeypatch):
     ours, _ = models("llama")
     assert not ours.generation_config.use_flash_attention
-    with count_attention_paths(monkeypatch) as counts:
+    with count_attention_paths(monkeypatch, profile=False) as counts:
         ours.generate_batch(
             inputs=prompts(),
             generation_config=greedy_config(use_flash_attention=True),
             continuous_batching_config=small_engine(),
         )
     assert counts["fused"] > 0 and counts["default"] == 0
-    with count_attention_paths(monkeypatch) as counts:
+    with count_attention_paths(monkeypatch, profile=False) as counts:
         ours.generate_batch(
             inputs=prompts(), generation_config=greedy_config(), continuous_batching_config=small_engine()
         )

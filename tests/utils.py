@@ -52,9 +52,10 @@ def left_padded_batch(lengths: list[int], seed: int = 0) -> dict[str, torch.Tens
 
 
 @contextmanager
-def count_attention_paths(monkeypatch: pytest.MonkeyPatch) -> Iterator[Counter]:
-    """Count attention calls per path: "fused" (our kernel dispatch), "default" (matmul-softmax), and
-    FLASH_KERNEL_CPU, the ATen fused kernel that actually ran (read from the profiler when the block exits)."""
+def count_attention_paths(monkeypatch: pytest.MonkeyPatch, profile: bool = True) -> Iterator[Counter]:
+    """Count attention calls per path: "fused" (our kernel dispatch), "default" (matmul-softmax), and, with
+    `profile`, FLASH_KERNEL_CPU, the ATen fused kernel that actually ran (read from the profiler when the block
+    exits; the profiler slows every operation, so tests that need only our dispatch counts leave it off)."""
     counts: Counter = Counter()
 
     def counted(name, function):
@@ -66,6 +67,9 @@ def count_attention_paths(monkeypatch: pytest.MonkeyPatch) -> Iterator[Counter]:
 
     monkeypatch.setattr(attention, "fused_sdpa", counted("fused", attention.fused_sdpa))
     monkeypatch.setattr(attention, "matmul_softmax_attention", counted("default", attention.matmul_softmax_attention))
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+    if not profile:
         yield counts
-    counts[FLASH_KERNEL_CPU] = sum(1 for event in profile.events() if event.name == FLASH_KERNEL_CPU)
+        return
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profiler:
+        yield counts
+    counts[FLASH_KERNEL_CPU] = sum(1 for event in profiler.events() if event.name == FLASH_KERNEL_CPU)
