@@ -29,9 +29,7 @@ Writes results.json, results.csv, results.md and training.png into `--output_dir
 """
 
 import argparse
-import json
 import math
-import subprocess
 import sys
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -41,10 +39,10 @@ from typing import Any, NoReturn
 import torch
 from transformers import AutoConfig
 
+from optimum.habana.example_support import benchmark
 from optimum.habana.example_support.benchmark import memory_budget_bytes, ratio
 from optimum.habana.example_support.benchmark_models import PRESETS, ModelSpec, checkpoint_path
 from optimum.habana.example_support.benchmark_report import GB
-from optimum.habana.example_support.benchmark_worker import RESULT_MARKER
 from optimum.habana.example_support.outputs import OutputDirError, writable_folder
 from optimum.habana.example_support.training_benchmark_report import (
     PLOT_FILE,
@@ -191,18 +189,7 @@ def grid(specs: Sequence[ModelSpec], arguments: argparse.Namespace) -> list[Row]
 
 def run_worker(task: dict[str, Any], timeout: float) -> dict[str, Any]:
     """One measurement in a fresh process: its result, or a timeout / OOM / error status."""
-    command = [sys.executable, "-m", WORKER, json.dumps(task)]
-    try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return {"status": "timeout", "error": f"still running after --timeout {timeout:g} s"}
-    for line in reversed(done.stdout.splitlines()):
-        if line.startswith(RESULT_MARKER):
-            return json.loads(line[len(RESULT_MARKER) :])
-    if done.returncode == -9:
-        return {"status": "oom", "error": "killed by SIGKILL (the kernel's OOM killer)"}
-    lines = done.stderr.strip().splitlines()
-    return {"status": "error", "error": lines[-1] if lines else f"exit code {done.returncode}"}
+    return benchmark.run_worker(task, timeout, worker=WORKER)
 
 
 def row_task(row: Row, path: str, arguments: argparse.Namespace, budget: int | None) -> dict[str, Any]:

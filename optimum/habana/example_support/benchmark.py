@@ -246,9 +246,11 @@ def memory_budget_bytes(arguments: BenchmarkArguments, device: torch.device) -> 
     return int(available * 0.8) if available else None
 
 
-def run_worker(task: dict[str, Any], timeout: float) -> dict[str, Any]:
-    """One measurement in a fresh process: its result, or a timeout / OOM / error status."""
-    command = [sys.executable, "-m", "optimum.habana.example_support.benchmark_worker", json.dumps(task)]
+def run_worker(
+    task: dict[str, Any], timeout: float, worker: str = "optimum.habana.example_support.benchmark_worker"
+) -> dict[str, Any]:
+    """One measurement in a fresh process of the `worker` module: its result, or a timeout / OOM / error status."""
+    command = [sys.executable, "-m", worker, json.dumps(task)]
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
