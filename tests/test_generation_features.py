@@ -10,6 +10,7 @@ from transformers.generation.streamers import BaseStreamer
 
 from optimum.habana.transformers.cache import BucketedStaticCache
 from tests.test_model_families import FAMILIES, SOFT_CAPPED, build_pair
+from tests.test_run_generation import train_tiny_tokenizer
 from tests.utils import count_attention_paths, left_padded_batch
 
 
@@ -70,6 +71,13 @@ def streamed(model, inputs, **kwargs):
     return output
 
 
+def stop_strings(model, inputs, **kwargs):
+    """generate(tokenizer=..., stop_strings=...), as transformers serve calls it: stock generate() hands the
+    tokenizer on to forward with the model's inputs, where the Gaudi attention would refuse it."""
+    tokenizer = train_tiny_tokenizer(chat_template=False)
+    return model.generate(**inputs, tokenizer=tokenizer, stop_strings=["the", "\n"], **GREEDY, **kwargs)
+
+
 def prompt_lookup(model, inputs, **kwargs):
     return model.generate(**inputs, prompt_lookup_num_tokens=3, **GREEDY, **kwargs)
 
@@ -82,7 +90,7 @@ BATCHED_FEATURES = {
     "static_cache": static_cache,
     "inputs_embeds_bucketed_cache": embeddings_into_bucketed_cache,
 }
-SINGLE_FEATURES = {"streamer": streamed, "prompt_lookup": prompt_lookup}
+SINGLE_FEATURES = {"streamer": streamed, "prompt_lookup": prompt_lookup, "stop_strings": stop_strings}
 
 
 def assert_same_output(output, reference) -> None:

@@ -44,6 +44,9 @@ from .packing import can_run_packed, packed_sequence_lengths
 
 # The `attn_implementation` values a Gaudi model accepts, and the default `use_flash_attention` each one sets
 # (None: leave it to the generation config).
+# generate() keyword arguments that its decoding loop reads and that stock generate() passes on to forward.
+GENERATION_ONLY_KWARGS = ("tokenizer", "assistant_tokenizer")
+
 ATTENTION_IMPLEMENTATIONS: dict[str, bool | None] = {
     ATTENTION_IMPLEMENTATION: None,
     "eager": False,
@@ -141,7 +144,11 @@ class GaudiAttentionMixin(GaudiGenerationMixin):
         """Also tell a bucketed static cache how many tokens the next forward adds, outside any compiled region.
 
         The signature is the stock one: generate() reads it to decide whether `inputs_embeds` is supported.
+        generate()'s tokenizers (stop strings, assisted decoding) ride along in the model kwargs; they are not
+        forward arguments, and the Gaudi attention refuses arguments it does not know.
         """
+        for name in GENERATION_ONLY_KWARGS:
+            kwargs.pop(name, None)
         if isinstance(past_key_values, BucketedStaticCache):
             new_tokens = next_sequence_length
             if new_tokens is None:
