@@ -25,6 +25,8 @@ EXTRAS = {
     "examples": ["datasets>=3", "peft>=0.17", "tqdm>=4.60", "tabulate>=0.9", "matplotlib>=3.8"],
     # filelock: tests/test_multi_device.py starts its multi-process runs once per session, even under xdist.
     "tests": ["pytest>=8", "pytest-xdist>=3", "ruff>=0.6", "filelock>=3"],
+    # `python -m optimum.habana.serve`: transformers' server and its dependencies (fastapi, uvicorn, openai, ...).
+    "serving": ["transformers[serving]>=5.23,<5.24"],
 }
 
 setup(
