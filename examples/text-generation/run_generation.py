@@ -20,8 +20,9 @@ from collections.abc import Sequence
 import torch
 
 from optimum.habana import hpu
-from optimum.habana.example_support import distributed
+from optimum.habana.example_support import continuous_generation, distributed
 from optimum.habana.example_support.adapters import check_adapter_folder
+from optimum.habana.example_support.continuous_generation import tokenize_requests
 from optimum.habana.example_support.explain import explain
 from optimum.habana.example_support.failures import exit_on_interrupt_or_oom
 from optimum.habana.example_support.outputs import prepare_output_dir
@@ -73,6 +74,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Everything that can still be a bad input (device, model, adapter, prompts) is checked before generating.
     try:
         distributed.validate_parallel_arguments(arguments.parallel, launch)
+        if execution.continuous_batching and launch.is_distributed:
+            raise ValueError("--continuous_batching runs in one process here: launch it without torchrun.")
         # Checked now: a folder that cannot be written would lose the results. Only rank 0 writes there.
         if arguments.output.output_dir and launch.is_main:
             prepare_output_dir(
@@ -119,6 +122,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if arguments.attention.attn_softmax_bf16 and arguments.attention.use_flash_attention:
         warnings.filterwarnings("ignore", message="attn_softmax_bf16 with use_flash_attention")  # noted above
     generation_config = build_generation_config(model.generation_config, arguments, tokenizer.pad_token_id, device)
+    if execution.continuous_batching:
+        requests = tokenize_requests(tokenizer, texts, workload.max_input_tokens)
+        return generate_continuously(arguments, parser, model, tokenizer, requests, prompts, generation_config, device)
     cache_supply = KVCacheSupply(
         kv_cache_layout(arguments, device), model.config, max_cache_len=input_length + workload.max_new_tokens
     )
@@ -198,6 +204,59 @@ def main(argv: Sequence[str] | None = None) -> int:
         path = write_results(arguments.output.output_dir, results)
         print(f"Results written to {path}")
     distributed.finish(run)
+    return 0
+
+
+def generate_continuously(arguments, parser, model, tokenizer, requests, prompts, generation_config, device) -> int:
+    """--continuous_batching: every prompt a request of one `generate_batch`, timed per request."""
+    workload, execution = arguments.workload, arguments.execution
+    engine = continuous_generation.engine_config(
+        [len(ids) for ids in requests], workload.max_new_tokens, execution.cb_max_batch_tokens
+    )
+    reset_peak_memory(device)
+    with exit_on_interrupt_or_oom(
+        parser.prog,
+        on_interrupt=lambda: "no results were written.",
+        on_out_of_memory=lambda error: (
+            "out of memory in continuous batching: lower --batch_size or "
+            "--cb_max_batch_tokens. No results were written."
+        ),
+    ):
+        for _ in range(execution.warmup):
+            continuous_generation.run_batch(model, requests, generation_config, engine, device)
+        runs = [
+            continuous_generation.run_batch(model, requests, generation_config, engine, device)
+            for _ in range(execution.n_iterations)
+        ]
+    memory = memory_stats(device)
+    stats = {
+        **continuous_generation.summarize_batches(runs),
+        "max_memory_allocated_bytes": memory["max_allocated"],
+        "paged_cache": {
+            "page_size": engine.page_size,
+            "num_blocks": engine.num_blocks,
+            "max_batch_tokens": engine.max_batch_tokens,
+        },
+    }
+    outputs = tokenizer.batch_decode(runs[-1].generated, skip_special_tokens=True)
+    print(format_texts(prompts, outputs))
+    print(continuous_generation.format_request_table(stats), flush=True)
+    if arguments.output.output_dir:
+        ttfts = [request["time_to_first_token_seconds"] for request in stats["per_request"]]
+        results = {
+            "throughput": stats["throughput_tokens_per_second"],
+            "avg_first_token_latency": sum(ttfts) / len(ttfts),
+            "avg_e2e_latency": stats["generation_seconds"],
+            "input": list(prompts),
+            "output": [[prompt + output] for prompt, output in zip(prompts, outputs, strict=True)],
+            "arguments": arguments.as_dict(),
+            "versions": environment_versions(),
+            "device": device.type,
+            "generation_config": generation_config_summary(generation_config),
+            "texts": [{"prompt": prompt, "output": output} for prompt, output in zip(prompts, outputs, strict=True)],
+            "stats": stats,
+        }
+        print(f"Results written to {write_results(arguments.output.output_dir, results)}")
     return 0
 
 

@@ -37,7 +37,9 @@ from ..utils.devices import DEVICE_CHOICES, default_dtype, resolve_device, slow_
 from ..version import __version__
 from .adapters import check_adapter_folder, check_adapter_matches
 from .arguments import AttentionArguments, check_finite_numbers, check_seed
+from .continuous_generation import GENERATE_CACHE_FLAGS
 from .distributed import ParallelArguments
+from .prompt_datasets import dataset_prompts
 
 
 # Prompts of different lengths, so that a batch of several is padded. The first one is Optimum-Habana's default.
@@ -98,7 +100,23 @@ class WorkloadArguments:
             "for long-context runs with --max_input_tokens. Optimum-Habana's flag of the same name downloads a book."
         },
     )
-    batch_size: int = field(default=1, metadata={"help": "Number of sequences generated together."})
+    dataset_name: str | None = field(
+        default=None,
+        metadata={
+            "help": "Take the prompts from a dataset: a local .json/.jsonl/.csv/.parquet/.txt file, a local dataset "
+            "folder, or a Hugging Face Hub dataset id (needs the hub); its 'train' split, or the first."
+        },
+    )
+    column_name: str | None = field(
+        default=None,
+        metadata={"help": "With --dataset_name: the column holding the prompts (default: the first text column)."},
+    )
+    batch_size: int = field(
+        default=1,
+        metadata={
+            "help": "Number of sequences generated together; with --continuous_batching, the number of requests."
+        },
+    )
     max_input_tokens: int = field(
         default=0,
         metadata={
@@ -222,6 +240,18 @@ class ExecutionArguments:
             "and MLP. Accepted; prints what it does here."
         },
     )
+    continuous_batching: bool = field(
+        default=False,
+        metadata={
+            "help": "Serve the --batch_size prompts as separate requests through transformers' continuous batching "
+            "(generate_batch, paged KV cache; unpadded): time to first token and tokens/s per request, and overall "
+            "throughput. docs/continuous_batching.md."
+        },
+    )
+    cb_max_batch_tokens: int = field(
+        default=512,
+        metadata={"help": "With --continuous_batching: tokens per engine step (prompt chunks and decode tokens)."},
+    )
     warmup: int = field(default=1, metadata={"help": "Untimed runs before the measured ones."})
     n_iterations: int = field(default=3, metadata={"help": "Measured runs; the stats are their medians."})
 
@@ -327,7 +357,10 @@ def validate_arguments(arguments: ScriptArguments) -> None:
         raise ValueError(f"--warmup must be 0 or more, got {execution.warmup}.")
     check_finite_numbers(workload, execution)
     check_seed(workload.seed)
-    sources = [name for name in ("prompt", "prompt_file", "book_source") if getattr(workload, name)]
+    check_continuous_batching(arguments)
+    sources = [name for name in ("prompt", "prompt_file", "book_source", "dataset_name") if getattr(workload, name)]
+    if workload.column_name and not workload.dataset_name:
+        raise ValueError("--column_name names a column of --dataset_name: add --dataset_name, or drop --column_name.")
     if len(sources) > 1:
         raise ValueError(f"--{sources[0]} and --{sources[1]} both give the prompt: choose one.")
     for index, prompt in enumerate(workload.prompt or [], start=1):
@@ -355,6 +388,27 @@ def validate_arguments(arguments: ScriptArguments) -> None:
             raise ValueError(
                 f"{', '.join(given)} shape(s) the KV cache, and --use_kv_cache False turns it off: drop one of them."
             )
+
+
+def check_continuous_batching(arguments: ScriptArguments) -> None:
+    """Refuse what continuous batching cannot honour, rather than drop it."""
+    workload, execution = arguments.workload, arguments.execution
+    if not execution.continuous_batching:
+        if execution.cb_max_batch_tokens != 512:
+            raise ValueError("--cb_max_batch_tokens sizes continuous batching's steps: add --continuous_batching.")
+        return
+    if execution.cb_max_batch_tokens < 1:
+        raise ValueError(f"--cb_max_batch_tokens must be at least 1, got {execution.cb_max_batch_tokens}.")
+    given = [f"--{name}" for name in GENERATE_CACHE_FLAGS if getattr(execution, name)]
+    given += ["--bucket_size"] if execution.bucket_size > 0 else []
+    given += ["--use_kv_cache False"] if not workload.use_kv_cache else []
+    if given:
+        raise ValueError(
+            f"{', '.join(given)} shape(s) generate()'s KV cache; --continuous_batching runs on transformers' paged "
+            "cache: drop one of them."
+        )
+    if workload.num_beams > 1:
+        raise ValueError("--continuous_batching has no beam search in transformers: drop --num_beams or it.")
 
 
 def flag_notes(arguments: ScriptArguments, device: torch.device, dtype: torch.dtype) -> list[str]:
@@ -416,11 +470,13 @@ def resolve_execution(arguments: ScriptArguments) -> tuple[torch.device, torch.d
 
 
 def prompt_pool(workload: WorkloadArguments) -> list[str]:
-    """The prompts to cycle through: --prompt, --prompt_file, --book_source, or the built-in ones."""
+    """The prompts to cycle through: --prompt, --prompt_file, --book_source, --dataset_name, or the built-in ones."""
     if workload.prompt:
         return list(workload.prompt)
     if workload.book_source:
         return [LONG_PROMPT_PATH.read_text(encoding="utf-8")]
+    if workload.dataset_name:
+        return dataset_prompts(workload.dataset_name, workload.column_name)
     if workload.prompt_file:
         path = Path(workload.prompt_file).expanduser()
         try:
