@@ -1,0 +1,210 @@
+#!/usr/bin/env python
+"""Serving throughput: continuous batching with the flag against static padded batches and stock transformers.
+
+    python examples/text-generation/benchmark_continuous_batching.py --output_dir outputs/cb_benchmark
+
+The same requests (`--requests` prompts of `--min_prompt_tokens` to `--max_prompt_tokens` tokens, seeded, cut
+from the long text shipped with the examples) each get `--max_new_tokens` greedy tokens, end-of-sequence ignored,
+in fp32 on the embedded SmolLM2-135M-Instruct (or `--model`), through each path (`cb_benchmark_worker`):
+`cb_flash` and `cb_default` (the Gaudi class through transformers' continuous batching, flag on / off),
+`stock_cb_sdpa` (the stock class with sdpa through the same engine and cache geometry) and `static_flash`
+(the Gaudi class with the flag through `generate()` in left-padded batches of `--static_batch_size`).
+
+Each path runs in a fresh process, `--repeats` times in an order that rotates from one repeat to the next; a path's
+throughput is its best repeat (a slower one is the machine's other work, not the path). Memory is the process's
+peak resident memory during the measured batch (`extra`: above what was resident before it). Writes results.json
+and results.md into `--output_dir`; docs/continuous_batching.md shows the table and the two targets.
+"""
+
+import json
+import random
+import sys
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tabulate import tabulate
+from transformers import HfArgumentParser
+
+from optimum.habana.example_support import benchmark
+from optimum.habana.example_support.benchmark import ratio
+from optimum.habana.example_support.benchmark_report import GB
+from optimum.habana.example_support.cb_benchmark_worker import PATHS
+from optimum.habana.example_support.outputs import OutputDirError, writable_folder
+from optimum.habana.utils.atomic import atomic_write_text
+
+
+PROG = "benchmark_continuous_batching.py"
+WORKER = "optimum.habana.example_support.cb_benchmark_worker"
+# The issue's targets: continuous batching with the flag against static batches, and against stock transformers.
+TARGETS = (("static_flash", 2.0), ("stock_cb_sdpa", 1.0))
+
+
+@dataclass
+class Arguments:
+    model: str | None = field(default=None, metadata={"help": "Checkpoint folder or hub id (default: embedded)."})
+    requests: int = field(default=32, metadata={"help": "Number of requests."})
+    min_prompt_tokens: int = field(default=16, metadata={"help": "Shortest prompt."})
+    max_prompt_tokens: int = field(default=512, metadata={"help": "Longest prompt."})
+    max_new_tokens: int = field(default=64, metadata={"help": "New tokens per request (end-of-sequence ignored)."})
+    static_batch_size: int = field(default=8, metadata={"help": "Batch size of the static_flash path."})
+    max_batch_tokens: int = field(default=512, metadata={"help": "Continuous batching: tokens per engine step."})
+    paths: list[str] = field(default_factory=lambda: list(PATHS), metadata={"choices": PATHS, "nargs": "+"})
+    repeats: int = field(default=2, metadata={"help": "Runs per path; the best counts."})
+    threads: int = field(default=0, metadata={"help": "torch threads per worker (0: torch's default)."})
+    seed: int = field(default=0, metadata={"help": "Seed of the prompt lengths."})
+    timeout: float = field(default=1800, metadata={"help": "Seconds before a worker counts as timed out."})
+    output_dir: str | None = field(default=None, metadata={"help": "Write results.json and results.md here."})
+    overwrite: bool = field(default=False, metadata={"help": "Replace the results of an earlier run there."})
+
+
+def check(arguments: Arguments) -> None:
+    for name in (
+        "requests",
+        "min_prompt_tokens",
+        "max_new_tokens",
+        "static_batch_size",
+        "max_batch_tokens",
+        "repeats",
+    ):
+        if getattr(arguments, name) < 1:
+            raise ValueError(f"--{name} must be at least 1, got {getattr(arguments, name)}.")
+    if arguments.max_prompt_tokens < arguments.min_prompt_tokens:
+        raise ValueError("--max_prompt_tokens must be at least --min_prompt_tokens.")
+    if arguments.output_dir:
+        folder = writable_folder(arguments.output_dir)
+        existing = [name for name in ("results.json", "results.md") if (folder / name).exists()]
+        if existing and not arguments.overwrite:
+            raise ValueError(f"--output_dir {arguments.output_dir!r} holds {existing[0]}: add --overwrite to replace.")
+
+
+def prompt_lengths(arguments: Arguments) -> list[int]:
+    generator = random.Random(arguments.seed)
+    return [
+        generator.randint(arguments.min_prompt_tokens, arguments.max_prompt_tokens) for _ in range(arguments.requests)
+    ]
+
+
+def run(arguments: Arguments) -> dict[str, Any]:
+    lengths = prompt_lengths(arguments)
+    task = {
+        "model": arguments.model,
+        "prompt_lengths": lengths,
+        "max_new_tokens": arguments.max_new_tokens,
+        "static_batch_size": arguments.static_batch_size,
+        "max_batch_tokens": arguments.max_batch_tokens,
+        "threads": arguments.threads,
+    }
+    runs: dict[str, list[dict[str, Any]]] = {path: [] for path in arguments.paths}
+    for repeat in range(arguments.repeats):
+        order = arguments.paths[repeat % len(arguments.paths) :] + arguments.paths[: repeat % len(arguments.paths)]
+        for path in order:
+            result = benchmark.run_worker({**task, "path": path}, arguments.timeout, worker=WORKER)
+            print(f"repeat {repeat + 1} {path}: {describe(result)}", file=sys.stderr, flush=True)
+            runs[path].append(result)
+    best = {path: best_run(results) for path, results in runs.items()}
+    return {
+        "arguments": asdict(arguments),
+        "prompt_lengths": lengths,
+        "paths": best,
+        "runs": runs,
+        "targets": targets(best),
+    }
+
+
+def best_run(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    done = [result for result in results if result.get("status") == "ok"]
+    return max(done, key=lambda result: result["throughput_tokens_per_second"]) if done else results[0]
+
+
+def describe(result: dict[str, Any]) -> str:
+    if result.get("status") != "ok":
+        return f"{result.get('status')}: {result.get('error')}"
+    return f"{result['throughput_tokens_per_second']:.1f} tokens/s in {result['seconds']:.1f} s"
+
+
+def throughput(best: dict[str, dict[str, Any]], path: str) -> float | None:
+    return best.get(path, {}).get("throughput_tokens_per_second")
+
+
+def targets(best: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    rows = []
+    for baseline, minimum in TARGETS:
+        value = ratio(throughput(best, "cb_flash"), throughput(best, baseline))
+        rows.append(
+            {
+                "baseline": baseline,
+                "minimum": minimum,
+                "ratio": value,
+                "met": None if value is None else value >= minimum,
+            }
+        )
+    return rows
+
+
+def markdown(results: dict[str, Any]) -> str:
+    best = results["paths"]
+    reference = best.get("static_flash", {}).get("tokens_sha256")
+    rows = []
+    for path, result in best.items():
+        if result.get("status") != "ok":
+            rows.append([path, result.get("status"), "", "", "", "", "", ""])
+            continue
+        rows.append(
+            [
+                path,
+                f"{result['throughput_tokens_per_second']:.1f}",
+                fmt(ratio(result["throughput_tokens_per_second"], throughput(best, "static_flash"))),
+                fmt(ratio(result["throughput_tokens_per_second"], throughput(best, "stock_cb_sdpa"))),
+                f"{result['seconds']:.1f}",
+                f"{result['peak_memory_bytes'] / GB:.2f}",
+                f"{result['extra_memory_bytes'] / GB:.3f}",
+                "" if reference is None else ("yes" if result["tokens_sha256"] == reference else "no"),
+            ]
+        )
+    headers = [
+        "path",
+        "tokens/s",
+        "× static_flash",
+        "× stock_cb_sdpa",
+        "seconds",
+        "peak GiB",
+        "extra GiB",
+        "same tokens",
+    ]
+    lines = [tabulate(rows, headers=headers, tablefmt="github"), ""]
+    for target in results["targets"]:
+        verdict = "n/a" if target["met"] is None else ("met" if target["met"] else "not met")
+        lines.append(f"- cb_flash ≥ {target['minimum']:g}× {target['baseline']}: {fmt(target['ratio'])} ({verdict})")
+    return "\n".join(lines) + "\n"
+
+
+def fmt(value: float | None) -> str:
+    return "" if value is None else f"{value:.2f}"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = HfArgumentParser(Arguments, prog=PROG, description=__doc__.split("\n\n")[1])
+    (arguments,) = parser.parse_args_into_dataclasses(args=argv)
+    try:
+        check(arguments)
+    except (ValueError, OutputDirError) as error:
+        parser.error(str(error))
+    results = run(arguments)
+    report = markdown(results)
+    print(report)
+    if arguments.output_dir:
+        folder = Path(arguments.output_dir)
+        atomic_write_text(folder / "results.json", json.dumps(results, indent=2) + "\n")
+        atomic_write_text(folder / "results.md", report)
+        print(f"Results written to {folder}")
+    failed = [path for path, result in results["paths"].items() if result.get("status") != "ok"]
+    if failed:
+        print(f"{PROG}: no successful run for {', '.join(failed)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
