@@ -77,16 +77,19 @@ def synchronize_hpu() -> None:
     hthpu.synchronize()
 
 
-def wrap_in_hpu_graph(model: torch.nn.Module, prompt_in_graph: bool = True) -> torch.nn.Module:
+def wrap_in_hpu_graph(
+    model: torch.nn.Module, prompt_in_graph: bool = True, max_graphs: int | None = None
+) -> torch.nn.Module:
     """Record the model's launches once and replay them: the HPU's answer to per-op launch overhead.
 
     Without `prompt_in_graph` (Optimum-Habana's --limit_hpu_graphs) prompts run eagerly and only decode steps
     (one new token per row) replay graphs: each prompt shape would otherwise record, and keep, a graph of its own.
+    `max_graphs` (Optimum-Habana's --max_graphs) bounds the graphs kept, one per input shape.
     """
     from habana_frameworks.torch.hpu import wrap_in_hpu_graph as wrap
 
     eager_forward = model.forward
-    model = wrap(model)
+    model = wrap(model) if max_graphs is None else wrap(model, max_graphs=max_graphs)
     if not prompt_in_graph:
         graph_forward = model.forward
 
