@@ -17,7 +17,6 @@ from tests.test_model_families import FAMILIES, SLIDING_WINDOW_CONFIGS, SOFT_CAP
 from tests.utils import count_attention_paths
 
 
-FEWER_EXPERTS = {name: {"num_experts": 4, "num_experts_per_tok": 2} for name in ("qwen2_moe", "qwen3_moe")}
 LENGTHS = (5, 9, 3, 12)  # mixed lengths, some past the 5-token sliding windows
 NEW_TOKENS = 6
 
@@ -51,7 +50,7 @@ def one_by_one(model, requests: list[list[int]], **kwargs) -> list[list[int]]:
 
 
 def models(model_type: str, **overrides):
-    return build_pair(model_type, **FEWER_EXPERTS.get(model_type, {}), **overrides)
+    return build_pair(model_type, **overrides)
 
 
 @pytest.mark.parametrize("model_type", FAMILIES)
@@ -206,3 +205,49 @@ def test_other_cache_arguments_are_still_refused():
     key = value = torch.zeros(1, 2, 2, 16)
     with pytest.raises(TypeError, match=r"does not know the argument\(s\) \['cache'\]"):
         attention.gaudi_attention_forward(ours.model.layers[0].self_attn, query, key, value, None, cache=object())
+
+
+def test_the_flag_runs_one_kernel_call_per_sequence_over_its_own_keys():
+    """Three sequences packed as the engine packs them: a prompt from an empty cache, a decode step, and a prompt
+    chunk after cached tokens; then two queries of engine padding. Each output row equals the attention over its
+    own sequence's keys under the engine's dense mask."""
+    from optimum.habana.transformers.attention_flags import AttentionFlags
+    from optimum.habana.transformers.paged_attention import paged_flash_attention, sequence_bounds
+
+    shapes = [(5, 5), (1, 9), (4, 12)]  # (queries, keys) per sequence
+    cu_q = torch.tensor([0, 5, 6, 10], dtype=torch.int32)
+    cu_k = torch.tensor([0, 5, 14, 26], dtype=torch.int32)
+    generator = torch.Generator().manual_seed(0)
+    query = torch.randn(1, 4, 12, 16, generator=generator)  # 10 real queries, 2 of padding
+    key, value = (torch.randn(1, 2, 26, 16, generator=generator) for _ in range(2))
+
+    dense = torch.zeros(12, 26, dtype=torch.bool)
+    for (q_len, k_len), q_start, k_start in zip(shapes, cu_q.tolist(), cu_k.tolist(), strict=False):
+        for row in range(q_len):
+            dense[q_start + row, k_start : k_start + k_len - q_len + row + 1] = True
+    expected = attention.matmul_softmax_attention(
+        query, key, value, dense[None, None], 0.25, 0.0, torch.float32, softcap=None, is_causal=False
+    )[0].transpose(1, 2)
+
+    bounds = sequence_bounds(12, cu_q, {"full_attention": cu_k})
+    assert bounds == [(0, 5, 0, 5), (5, 6, 5, 14), (6, 10, 14, 26)]
+    output = paged_flash_attention(query, key, value, bounds, 0.25, AttentionFlags(use_flash_attention=True))
+    torch.testing.assert_close(output[:, :, :10], expected[:, :, :10], rtol=1e-5, atol=1e-5)
+    assert torch.equal(output[:, :, 10:], torch.zeros(1, 4, 2, 16))
+
+
+def test_long_prompts_in_chunks_next_to_decoding_requests_match_generate(monkeypatch):
+    """Prompts longer than an engine step arrive in chunks after their own cached tokens, next to requests that
+    decode: with the flag, every full-attention call runs one kernel call per scheduled sequence."""
+    ours, _ = models("llama")
+    requests = [torch.arange(5, 45).tolist(), [8, 9, 10], torch.arange(50, 70).tolist()]
+    expected = one_by_one(ours, requests)
+    engine = ContinuousBatchingConfig(page_size=16, num_blocks=32, max_batch_tokens=16)
+    with count_attention_paths(monkeypatch, profile=False) as counts:
+        outputs = ours.generate_batch(
+            inputs=requests,
+            generation_config=greedy_config(use_flash_attention=True),
+            continuous_batching_config=engine,
+        )
+    assert by_request(outputs) == expected
+    assert counts["default"] == 0 and counts["fused"] > 0

@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import AutoConfig, LlamaConfig, PreTrainedConfig
 
-from optimum.habana.transformers import attention
+from optimum.habana.transformers import attention, paged_attention
 
 
 FLASH_KERNEL_CPU = "aten::_scaled_dot_product_flash_attention_for_cpu"
@@ -32,9 +32,14 @@ def tiny_llama_config(**overrides) -> LlamaConfig:
     return LlamaConfig(**values)
 
 
+# The MoE families' default expert counts (60 and 128) make a tiny model slow; four experts take the same paths.
+FEWER_EXPERTS = {name: {"num_experts": 4, "num_experts_per_tok": 2} for name in ("qwen2_moe", "qwen3_moe")}
+
+
 def tiny_config(model_type: str, **overrides) -> PreTrainedConfig:
     """A tiny random config of any family, with the same sizes and special tokens as `tiny_llama_config`."""
     values = {**TINY_SIZES, "max_position_embeddings": 2048, "bos_token_id": 1, "eos_token_id": 2}
+    values.update(FEWER_EXPERTS.get(model_type, {}))
     values.update(overrides)
     return AutoConfig.for_model(model_type, **values)
 
@@ -66,6 +71,7 @@ def count_attention_paths(monkeypatch: pytest.MonkeyPatch, profile: bool = True)
         return wrapper
 
     monkeypatch.setattr(attention, "fused_sdpa", counted("fused", attention.fused_sdpa))
+    monkeypatch.setattr(paged_attention, "fused_sdpa", counted("fused", paged_attention.fused_sdpa))
     monkeypatch.setattr(attention, "matmul_softmax_attention", counted("default", attention.matmul_softmax_attention))
     if not profile:
         yield counts

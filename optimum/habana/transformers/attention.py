@@ -21,6 +21,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from ..kernels.dispatch import FusedSDPAUnavailable, fused_sdpa, warn_once
 from .attention_flags import DEFAULT_PATH_FLAGS, AttentionFlags, call_attention_flags
 from .packing import PackedLengths, causal_window_mask, packed_causal_mask
+from .paged_attention import paged_flash_attention, sequence_bounds
 
 
 ATTENTION_IMPLEMENTATION = "gaudi"
@@ -82,8 +83,11 @@ def gaudi_attention_forward(
     """
     flags = call_attention_flags(kwargs)
     cache = kwargs.pop("cache", None)
+    paged_bounds = None
     if isinstance(cache, PagedAttentionCache):  # continuous batching: the layer writes and reads its paged cache
         key, value = cache.update(key_states=key, value_states=value, layer_idx=module.layer_idx, kwargs=kwargs)
+        if sliding_window is None:
+            paged_bounds = sequence_bounds(query.shape[2], kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k"))
         for name in CONTINUOUS_BATCHING_KWARGS:
             kwargs.pop(name, None)
     elif cache is not None:
@@ -106,7 +110,13 @@ def gaudi_attention_forward(
                     "only to the calls that take the default path (soft-capped logits, attention weights asked for)."
                 )
         reason = fused_path_refusal(module, softcap, output_attentions)
-        if reason is None and packed_sequence_lengths is not None:
+        if reason is None and paged_bounds is not None:
+            try:
+                output = paged_flash_attention(query, key, value, paged_bounds, scaling, flags)
+                return output.transpose(1, 2).contiguous(), None
+            except FusedSDPAUnavailable as error:
+                reason = str(error)
+        elif reason is None and packed_sequence_lengths is not None:
             try:
                 output = packed_flash_attention(
                     module, query, key, value, packed_sequence_lengths, scaling, dropout, flags, sliding_window
