@@ -15,8 +15,6 @@ from tests.utils import count_attention_paths, left_padded_batch
 
 
 NEW_TOKENS = 4
-# Fewer experts than the configs' defaults (60 and 128): the same code paths in a fraction of the time.
-FEWER_EXPERTS = {name: {"num_experts": 4, "num_experts_per_tok": 2} for name in ("qwen2_moe", "qwen3_moe")}
 GREEDY = {"max_new_tokens": NEW_TOKENS, "min_new_tokens": NEW_TOKENS, "do_sample": False, "pad_token_id": 0}
 
 
@@ -103,7 +101,7 @@ def assert_same_output(output, reference) -> None:
 
 
 def check_feature(model_type, feature, inputs, monkeypatch) -> None:
-    ours, stock = build_pair(model_type, **FEWER_EXPERTS.get(model_type, {}))
+    ours, stock = build_pair(model_type)
     reference = (from_embeddings if feature is embeddings_into_bucketed_cache else feature)(stock, inputs)
     with count_attention_paths(monkeypatch) as counts:
         default = feature(ours, inputs)
@@ -139,8 +137,8 @@ def test_single_sequence_feature_matches_stock(model_type, feature, monkeypatch)
 @pytest.mark.parametrize("model_type", FAMILIES)
 def test_assisted_decoding_matches_stock(model_type, monkeypatch):
     """A stock eager assistant, so the fused-path counts below are the main model's alone."""
-    ours, stock = build_pair(model_type, **FEWER_EXPERTS.get(model_type, {}))
-    _, assistant = build_pair(model_type, **FEWER_EXPERTS.get(model_type, {}))
+    ours, stock = build_pair(model_type)
+    _, assistant = build_pair(model_type)
     inputs = left_padded_batch([10], seed=6)
     reference = stock.generate(**inputs, assistant_model=assistant, **GREEDY)
     assert torch.equal(reference, stock.generate(**inputs, **GREEDY))  # greedy assisted decoding changes nothing

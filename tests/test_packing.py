@@ -16,8 +16,7 @@ from optimum.habana.transformers import attention, packing
 from tests.test_model_families import FAMILIES, SLIDING_WINDOW_CONFIGS, SOFT_CAPPED, build_pair
 
 
-LENGTHS = [7, 12, 5, 9]  # longer than the 5-token sliding windows below, so the windows matter
-FEWER_EXPERTS = {name: {"num_experts": 4, "num_experts_per_tok": 2} for name in ("qwen2_moe", "qwen3_moe")}
+LENGTHS = [7, 12, 5, 9]
 
 
 def examples(seed: int = 0) -> list[dict[str, list[int]]]:
@@ -27,7 +26,7 @@ def examples(seed: int = 0) -> list[dict[str, list[int]]]:
 
 
 def lora_model(model_type: str, **overrides):
-    ours, _ = build_pair(model_type, **FEWER_EXPERTS.get(model_type, {}), **overrides)
+    ours, _ = build_pair(model_type, **overrides)
     targets = attention_projections(ours)
     model = get_peft_model(ours, LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False))
     return model.train()

@@ -19,15 +19,12 @@ from tests.test_model_families import FAMILIES, SOFT_CAPPED, build_pair
 from tests.utils import count_attention_paths
 
 
-FEWER_EXPERTS = {name: {"num_experts": 4, "num_experts_per_tok": 2} for name in ("qwen2_moe", "qwen3_moe")}
-
-
 # Adapter weights that start at zero (the adapter adds nothing yet), made non-zero so the forward depends on them.
 ZERO_INITIALIZED = ("lora_E", "vera_lambda_b")
 
 
 def adapted(model_type: str, peft_type: str, **peft_options):
-    model, _ = build_pair(model_type, **FEWER_EXPERTS.get(model_type, {}))
+    model, _ = build_pair(model_type)
     arguments = PeftArguments(peft_type=peft_type, **peft_options)
     config = peft_methods.peft_config(arguments, LoraArguments(lora_dropout=0.0), model)  # no dropout: comparable
     model = peft_methods.add_adapter(model, config, peft_type).train()
