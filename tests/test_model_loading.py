@@ -1,7 +1,7 @@
 """Tests of optimum.habana.utils.model_loading: resolving --model_name_or_path to a loadable checkpoint folder.
 
-The default model is converted once per module (~15-20 s, ~1.5 GB of RAM) into a temporary cache; the other tests
-use tiny models or fake conversions so that they stay fast.
+The default model is converted once per test session (~15-20 s, ~1.5 GB of RAM) into a temporary cache shared
+with test_run_generation.py; the other tests use tiny models or fake conversions so that they stay fast.
 """
 
 import time
@@ -23,6 +23,8 @@ from optimum.habana.utils.model_loading import (
     resolve_model,
 )
 
+from .utils import embedded_model
+
 
 @pytest.fixture(scope="module")
 def cache_dir(tmp_path_factory) -> Path:
@@ -36,11 +38,14 @@ def _use_test_cache(monkeypatch, cache_dir):
 
 
 @pytest.fixture(scope="module")
-def converted_default(cache_dir) -> ResolvedModel:
-    """The default model, converted once for the whole module."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv(CACHE_ENV_VAR, str(cache_dir))
-        return resolve_model(None)
+def embedded(tmp_path_factory) -> tuple[Path, ResolvedModel]:
+    """The default model's cache folder and first resolution, converted once per session (tests/utils.py)."""
+    return embedded_model(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def converted_default(embedded) -> ResolvedModel:
+    return embedded[1]
 
 
 def write_gguf(path: Path, arch: str) -> Path:
@@ -72,7 +77,9 @@ def test_cache_root_follows_env_var(cache_dir):
     assert cache_root() == cache_dir
 
 
-def test_default_model_converts_once_then_uses_cache(converted_default, cache_dir, monkeypatch):
+def test_default_model_converts_once_then_uses_cache(embedded, monkeypatch):
+    cache_dir, converted_default = embedded
+    monkeypatch.setenv(CACHE_ENV_VAR, str(cache_dir))
     assert converted_default.source == "default"
     assert converted_default.converted is True
     assert converted_default.path.parent == cache_dir / "gguf"

@@ -9,13 +9,10 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
-from filelock import FileLock
 from transformers import AutoModelForCausalLM
 
 from optimum.habana import supported_model_types
@@ -35,7 +32,7 @@ from optimum.habana.utils.distributed import (
 from optimum.habana.utils.model_loading import CACHE_ENV_VAR
 
 from .test_run_generation import PROMPTS_OF_THREE_LENGTHS, save_tiny_checkpoint, write_gguf
-from .utils import tiny_config
+from .utils import once_per_session, tiny_config
 
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -61,24 +58,6 @@ def load_script(path: Path):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
-
-
-def once_per_session(tmp_path_factory, name: str, produce: Callable[[Path], Any]) -> Any:
-    """`produce(folder)`, run once per test session and shared as JSON by the pytest-xdist workers.
-
-    pytest-xdist's documented recipe for expensive fixtures: without it, each worker that gets one of the tests
-    would start the same multi-process runs again.
-    """
-    if not os.environ.get("PYTEST_XDIST_WORKER"):
-        return produce(tmp_path_factory.mktemp(name))
-    shared = tmp_path_factory.getbasetemp().parent  # the session's folder, above every worker's own
-    result = shared / f"{name}.json"
-    with FileLock(f"{result}.lock"):
-        if not result.is_file():
-            folder = shared / name
-            folder.mkdir()
-            result.write_text(json.dumps(produce(folder)))
-        return json.loads(result.read_text())
 
 
 @pytest.fixture(scope="module")

@@ -39,9 +39,9 @@ from optimum.habana.example_support.text_generation import (
     tokenize_prompts,
 )
 from optimum.habana.transformers import attention
-from optimum.habana.utils.model_loading import CACHE_ENV_VAR, resolve_model
+from optimum.habana.utils.model_loading import CACHE_ENV_VAR
 
-from .utils import FLASH_KERNEL_CPU, count_attention_paths, tiny_config
+from .utils import FLASH_KERNEL_CPU, count_attention_paths, embedded_model, tiny_config
 
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -142,11 +142,9 @@ def tiny_checkpoint(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def default_model(cache_dir):
-    """The embedded SmolLM2, converted once (~20 s) into this module's cache; every later load uses the cache."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv(CACHE_ENV_VAR, str(cache_dir))
-        return resolve_model(None)
+def default_model(tmp_path_factory):
+    """The embedded SmolLM2's cache folder and resolution, converted once per session (tests/utils.py)."""
+    return embedded_model(tmp_path_factory)
 
 
 def script_env(cache_dir: Path) -> dict[str, str]:
@@ -418,9 +416,10 @@ def test_peft_adapter_is_merged(script, tiny_checkpoint, tmp_path):
 # The embedded default model
 
 
-def test_default_model_runs_from_the_cache_and_answers(script, default_model, cache_dir, tmp_path):
-    """The real first-time command, shortened, then a real question; one test, so one conversion per module."""
-    assert default_model.converted is True
+def test_default_model_runs_from_the_cache_and_answers(script, default_model, tmp_path, monkeypatch):
+    """The real command, shortened, from a cache that holds the conversion, then a real question."""
+    cache_dir, default_model = default_model
+    monkeypatch.setenv(CACHE_ENV_VAR, str(cache_dir))
     process = start_script(
         ["--use_flash_attention", "--max_new_tokens", "4", "--warmup", "0", "--n_iterations", "1"]
         + ["--output_dir", str(tmp_path / "first")],

@@ -1,14 +1,20 @@
 """Shared test helpers: tiny random Llama models and counters of which attention path ran."""
 
+import json
+import os
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+from filelock import FileLock
 from transformers import AutoConfig, LlamaConfig, PreTrainedConfig
 
 from optimum.habana.transformers import attention, paged_attention
+from optimum.habana.utils.model_loading import CACHE_ENV_VAR, ResolvedModel, resolve_model
 
 
 FLASH_KERNEL_CPU = "aten::_scaled_dot_product_flash_attention_for_cpu"
@@ -79,3 +85,36 @@ def count_attention_paths(monkeypatch: pytest.MonkeyPatch, profile: bool = True)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profiler:
         yield counts
     counts[FLASH_KERNEL_CPU] = sum(1 for event in profiler.events() if event.name == FLASH_KERNEL_CPU)
+
+
+def once_per_session(tmp_path_factory, name: str, produce: Callable[[Path], Any]) -> Any:
+    """`produce(folder)`, run once per test session and shared as JSON by the pytest-xdist workers.
+
+    pytest-xdist's documented recipe for expensive fixtures: without it, each worker that gets one of the tests
+    would run the same expensive step again.
+    """
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return produce(tmp_path_factory.mktemp(name))
+    shared = tmp_path_factory.getbasetemp().parent  # the session's folder, above every worker's own
+    result = shared / f"{name}.json"
+    with FileLock(f"{result}.lock"):
+        if not result.is_file():
+            folder = shared / name
+            folder.mkdir()
+            result.write_text(json.dumps(produce(folder)))
+        return json.loads(result.read_text())
+
+
+def embedded_model(tmp_path_factory) -> tuple[Path, ResolvedModel]:
+    """The embedded SmolLM2 converted once per session (about 20 s) into a cache folder of its own: that folder,
+    and the first resolution (`converted` is True: it did the conversion)."""
+
+    def produce(folder: Path) -> dict[str, Any]:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setenv(CACHE_ENV_VAR, str(folder))
+            resolved = resolve_model(None)
+        return {"cache": str(folder), **{**resolved.__dict__, "path": str(resolved.path)}}
+
+    record = once_per_session(tmp_path_factory, "embedded_model", produce)
+    cache = Path(record.pop("cache"))
+    return cache, ResolvedModel(**{**record, "path": Path(record["path"])})
