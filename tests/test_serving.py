@@ -19,12 +19,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoTokenizer
+from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
 
 from optimum.habana.transformers import GaudiLlamaForCausalLM
 from optimum.habana.utils.model_loading import CACHE_ENV_VAR
 
-from .test_run_generation import save_tiny_checkpoint
+from .test_run_generation import save_tiny_checkpoint, train_tiny_tokenizer
 from .utils import count_attention_paths
 
 
@@ -272,6 +272,18 @@ def test_bad_attention_options_are_refused_before_loading(argv, words, capsys):
     message = " ".join(re.sub("[│╭╮╰╯─]", " ", capsys.readouterr().err).split())  # typer draws a box around it
     for word in words:
         assert word in message
+
+
+def test_a_model_without_a_gaudi_class_is_refused_in_one_line(tmp_path, capsys):
+    config = GPT2Config(n_layer=1, n_head=2, n_embd=8, vocab_size=300)
+    GPT2LMHeadModel(config).save_pretrained(tmp_path)
+    train_tiny_tokenizer(chat_template=True).save_pretrained(tmp_path)
+    with pytest.raises(SystemExit) as exit_info:
+        serve_main([str(tmp_path), "--port", str(free_port())])
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err
+    assert "optimum.habana serve" not in error and "'gpt2'" in error and "llama" in error
+    assert "Traceback" not in error
 
 
 def test_an_option_transformers_serve_does_not_have_is_refused():

@@ -29,7 +29,11 @@ def serve(**options: Any) -> None:
         check_attention_options(options["attn_implementation"], flags)
     except ValueError as error:
         raise typer.BadParameter(str(error)) from None
-    GaudiServe(attention_flags=flags, **options)
+    try:
+        GaudiServe(attention_flags=flags, **options)
+    except (ValueError, OSError) as error:  # the model: a family without a Gaudi class, a missing folder...
+        typer.echo(f"optimum.habana.serve: {str(error).strip().splitlines()[0]}", err=True)
+        raise typer.Exit(2) from None
 
 
 def command() -> typer.Typer:
