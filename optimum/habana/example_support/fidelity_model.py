@@ -1,0 +1,188 @@
+"""The model part of the fidelity table: a whole model's logits and perplexity on real text, per attention path.
+
+The exact answer is the same model in float64 on the CPU, on the default path with its softmax in float64
+(`attn_softmax_bf16=True` means "softmax in the model dtype"; without it the default path's softmax runs in fp32,
+which would limit the reference to about 1e-7). Each text segment runs once per model (reference, and each dtype
+and path); a segment that is both a logits length and a perplexity window serves both.
+"""
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import PreTrainedModel
+
+from ..utils.devices import synchronize
+from .fidelity_attention import DEFAULT, DTYPES, FAST_SOFTMAX, FUSED, log
+
+
+MODEL_PATHS = (DEFAULT, FUSED, FAST_SOFTMAX)
+PATH_FLAGS = {
+    DEFAULT: {},
+    FUSED: {"use_flash_attention": True},
+    FAST_SOFTMAX: {"use_flash_attention": True, "flash_attention_fast_softmax": True},
+}
+# The exact reference: float64 weights, default path, softmax in the model dtype (float64).
+REFERENCE_FLAGS = {"attn_softmax_bf16": True}
+
+
+@dataclass(frozen=True)
+class Segment:
+    """`length` tokens of the text from `start`, run as one prompt."""
+
+    start: int
+    length: int
+
+
+def plan_segments(
+    token_count: int, logit_lens: Sequence[int], ppl_window: int, ppl_tokens: int
+) -> tuple[list[Segment], list[Segment]]:
+    """The logits segments (the text's first L tokens, per L) and the perplexity windows (non-overlapping windows of
+    `ppl_window` tokens over the first `ppl_tokens` tokens, 0 meaning all; a last window shorter than 2 is dropped)."""
+    logits = [Segment(0, length) for length in logit_lens]
+    span = token_count if ppl_tokens == 0 else min(ppl_tokens, token_count)
+    windows = [Segment(start, min(ppl_window, span - start)) for start in range(0, span, ppl_window)]
+    return logits, [window for window in windows if window.length >= 2]
+
+
+def logits_of(model: PreTrainedModel, token_ids: torch.Tensor, flags: dict[str, bool]) -> torch.Tensor:
+    """The prompt's logits `[L, vocab]` on the model's device, with the attention flags of one path."""
+    device = model.device
+    with torch.inference_mode():
+        logits = model(input_ids=token_ids[None].to(device), use_cache=False, **flags).logits[0]
+    synchronize(device)
+    return logits
+
+
+def negative_log_likelihood(logits: torch.Tensor, token_ids: torch.Tensor) -> float:
+    """The summed negative log-likelihood of tokens 1..L-1 given their prefixes, in float64."""
+    log_probabilities = torch.log_softmax(logits[:-1].to("cpu", torch.float64), dim=-1)
+    return -log_probabilities.gather(1, token_ids[1:, None].cpu()).sum().item()
+
+
+def logits_errors(logits: torch.Tensor, reference: torch.Tensor) -> dict[str, Any]:
+    """Max and mean absolute error of the logits over every position and vocabulary entry."""
+    difference = (logits.to("cpu", torch.float64) - reference).abs()
+    if not bool(torch.isfinite(difference).all()):
+        return {"status": "non-finite", "reason": "the logits hold NaN or infinity"}
+    return {"status": "ok", "max_abs_error": difference.max().item(), "mean_abs_error": difference.mean().item()}
+
+
+def model_path_applies(path: str, device: torch.device) -> str | None:
+    if path == FAST_SOFTMAX and device.type != "hpu":
+        return f"n/a on {device.type}"
+    return None
+
+
+def measure_segment(
+    segment: Segment,
+    token_ids: torch.Tensor,
+    reference_model: PreTrainedModel,
+    models: dict[str, PreTrainedModel],
+    device: torch.device,
+) -> dict[str, Any]:
+    """The reference and every dtype and path on one segment: logits errors, log-likelihood and seconds."""
+    ids = token_ids[segment.start : segment.start + segment.length]
+    started = time.perf_counter()
+    reference = logits_of(reference_model, ids, REFERENCE_FLAGS).to(torch.float64)
+    record: dict[str, Any] = {
+        "start": segment.start,
+        "length": segment.length,
+        "predicted_tokens": segment.length - 1,
+        "reference": {"nll_sum": negative_log_likelihood(reference, ids), "seconds": time.perf_counter() - started},
+        "dtypes": {},
+    }
+    for dtype, model in models.items():
+        record["dtypes"][dtype] = {}
+        for path in MODEL_PATHS:
+            reason = model_path_applies(path, device)
+            if reason is not None:
+                record["dtypes"][dtype][path] = {"status": "n/a", "reason": reason}
+                continue
+            started = time.perf_counter()
+            logits = logits_of(model, ids, PATH_FLAGS[path])
+            seconds = time.perf_counter() - started
+            result = logits_errors(logits, reference)
+            if result["status"] == "ok":
+                result["nll_sum"] = negative_log_likelihood(logits, ids)
+            record["dtypes"][dtype][path] = {**result, "seconds": seconds}
+            del logits
+            log(f"[model] {dtype} {path} tokens {segment.start}-{segment.start + segment.length}: {seconds:.1f} s")
+    return record
+
+
+def reference_check(model: PreTrainedModel, token_ids: torch.Tensor) -> dict[str, Any]:
+    """How exact the reference is: the float64 model's other two runs against it on one short segment.
+
+    The fused kernel accumulates in float64 (agreement ~1e-12 or better says both are exact); the default path
+    without the flag computes its softmax in fp32 (the reason the reference sets the flag).
+    """
+    reference = logits_of(model, token_ids, REFERENCE_FLAGS).to(torch.float64)
+    return {
+        "tokens": len(token_ids),
+        "fp64_fused": logits_errors(logits_of(model, token_ids, PATH_FLAGS[FUSED]), reference),
+        "fp64_default_fp32_softmax": logits_errors(logits_of(model, token_ids, PATH_FLAGS[DEFAULT]), reference),
+    }
+
+
+def perplexities(records: Sequence[dict[str, Any]], windows: Sequence[Segment]) -> dict[str, Any]:
+    """exp(mean negative log-likelihood) over the perplexity windows, for the reference and each dtype and path."""
+    chosen = [record for record in records if Segment(record["start"], record["length"]) in set(windows)]
+    predicted = sum(record["predicted_tokens"] for record in chosen)
+
+    def perplexity(values: list[float]) -> float:
+        return float(torch.tensor(sum(values) / predicted, dtype=torch.float64).exp())
+
+    result: dict[str, Any] = {"reference": perplexity([record["reference"]["nll_sum"] for record in chosen])}
+    for dtype in chosen[0]["dtypes"] if chosen else ():
+        result[dtype] = {}
+        for path in MODEL_PATHS:
+            entries = [record["dtypes"][dtype][path] for record in chosen]
+            if all(entry.get("status") == "ok" for entry in entries):
+                result[dtype][path] = perplexity([entry["nll_sum"] for entry in entries])
+            else:
+                result[dtype][path] = next(
+                    entry.get("reason", entry["status"]) for entry in entries if entry["status"] != "ok"
+                )
+    return {"predicted_tokens": predicted, "windows": len(chosen), "perplexity": result}
+
+
+def measure_model(
+    load: Callable[[torch.dtype, torch.device], PreTrainedModel],
+    device: torch.device,
+    token_ids: torch.Tensor,
+    dtypes: Sequence[str],
+    logit_lens: Sequence[int],
+    ppl_window: int,
+    ppl_tokens: int,
+    on_update: Callable[[dict[str, Any]], None],
+) -> dict[str, Any]:
+    """Logits errors at each of `logit_lens` and the perplexity over the windows, per dtype and path.
+
+    `load(dtype, device)` loads the model as a user does in that dtype (`from_pretrained(dtype=...)`; a cast with
+    `model.to(dtype)` would also round the rotary frequencies, which `from_pretrained` keeps in fp32). The float64
+    reference runs on the CPU (float64 is slow or missing on accelerators), each dtype on `device`. `on_update`
+    gets the partial result after each segment.
+    """
+    logit_segments, windows = plan_segments(len(token_ids), logit_lens, ppl_window, ppl_tokens)
+    reference_model = load(torch.float64, torch.device("cpu"))
+    models = {dtype: load(DTYPES[dtype], device) for dtype in dtypes}
+    shortest = min(logit_segments + windows, key=lambda segment: segment.length)
+    result: dict[str, Any] = {
+        "reference_check": reference_check(reference_model, token_ids[: shortest.length]),
+        "logit_lens": list(logit_lens),
+        "ppl_window": ppl_window,
+        "ppl_tokens": ppl_tokens,
+        "segments": [],
+    }
+    for segment in dict.fromkeys(logit_segments + windows):  # each distinct segment once, in order
+        result["segments"].append(measure_segment(segment, token_ids, reference_model, models, device))
+        on_update(result)
+    result["perplexity"] = perplexities(result["segments"], windows)
+    on_update(result)
+    return result
+
+
+__all__ = ["MODEL_PATHS", "Segment", "measure_model", "perplexities", "plan_segments"]
