@@ -157,7 +157,7 @@ def test_the_core_needs_none_of_the_example_dependencies():
     """What `pip install .` without extras gives: the library imports, builds a model and generates with the flag."""
     code = """
 import sys
-for name in ("datasets", "peft", "tabulate", "matplotlib"):
+for name in ("datasets", "peft", "tabulate", "matplotlib", "lm_eval"):
     sys.modules[name] = None  # importing any of them now fails
 import torch
 from transformers import AutoConfig
