@@ -61,7 +61,7 @@ def test_the_driver_writes_the_table_with_both_targets_and_keeps_earlier_results
     assert script.main(argv) == 0
     assert calls == [*cb_benchmark_worker.PATHS, *cb_benchmark_worker.PATHS[1:], cb_benchmark_worker.PATHS[0]]
     results = json.loads((tmp_path / "results.json").read_text())
-    assert set(results["paths"]) == set(cb_benchmark_worker.PATHS)
+    assert results["complete"] is True and set(results["paths"]) == set(cb_benchmark_worker.PATHS)
     assert [(target["baseline"], target["ratio"], target["met"]) for target in results["targets"]] == [
         ("static_flash", 2.5, True),
         ("stock_cb_sdpa", 0.8, False),
@@ -97,3 +97,16 @@ def test_bad_values_are_usage_errors(argv, words, script, capsys):
         script.main(argv)
     assert exit_info.value.code == 2
     assert words in capsys.readouterr().err
+
+
+def test_a_run_killed_midway_leaves_what_it_measured(script, checkpoint, tmp_path, monkeypatch):
+    def interrupted_on_the_third(task, timeout, worker):
+        if task["path"] == cb_benchmark_worker.PATHS[2]:
+            raise KeyboardInterrupt
+        return {**FAKE_RESULTS[task["path"]], "status": "ok", "seconds": 1.0, "peak_memory_bytes": 1 << 30}
+
+    monkeypatch.setattr(benchmark, "run_worker", interrupted_on_the_third)
+    with pytest.raises(KeyboardInterrupt):
+        script.main(["--model", checkpoint, "--output_dir", str(tmp_path)])
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["complete"] is False and list(results["paths"]) == list(cb_benchmark_worker.PATHS[:2])

@@ -13,7 +13,8 @@ in fp32 on the embedded SmolLM2-135M-Instruct (or `--model`), through each path 
 Each path runs in a fresh process, `--repeats` times in an order that rotates from one repeat to the next; a path's
 throughput is its best repeat (a slower one is the machine's other work, not the path). Memory is the process's
 peak resident memory during the measured batch (`extra`: above what was resident before it). Writes results.json
-and results.md into `--output_dir`; docs/continuous_batching.md shows the table and the two targets.
+and results.md into `--output_dir` after every run (`"complete": false` until the last); docs/continuous_batching.md
+shows the table and the two targets.
 """
 
 import json
@@ -86,7 +87,7 @@ def prompt_lengths(arguments: Arguments) -> list[int]:
     ]
 
 
-def run(arguments: Arguments) -> dict[str, Any]:
+def run(arguments: Arguments, on_result: Any = None) -> dict[str, Any]:
     lengths = prompt_lengths(arguments)
     task = {
         "model": arguments.model,
@@ -103,10 +104,17 @@ def run(arguments: Arguments) -> dict[str, Any]:
             result = benchmark.run_worker({**task, "path": path}, arguments.timeout, worker=WORKER)
             print(f"repeat {repeat + 1} {path}: {describe(result)}", file=sys.stderr, flush=True)
             runs[path].append(result)
-    best = {path: best_run(results) for path, results in runs.items()}
+            if on_result is not None:  # what is measured so far survives a run killed before its end
+                on_result(summarize(arguments, lengths, runs))
+    return summarize(arguments, lengths, runs)
+
+
+def summarize(arguments: Arguments, lengths: list[int], runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    best = {path: best_run(results) for path, results in runs.items() if results}
     return {
         "arguments": asdict(arguments),
         "prompt_lengths": lengths,
+        "complete": all(len(results) == arguments.repeats for results in runs.values()),
         "paths": best,
         "runs": runs,
         "targets": targets(best),
@@ -121,7 +129,10 @@ def best_run(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
 def describe(result: dict[str, Any]) -> str:
     if result.get("status") != "ok":
         return f"{result.get('status')}: {result.get('error')}"
-    return f"{result['throughput_tokens_per_second']:.1f} tokens/s in {result['seconds']:.1f} s"
+    return (
+        f"{result['throughput_tokens_per_second']:.1f} tokens/s in {result['seconds']:.1f} s, peak "
+        f"{result['peak_memory_bytes'] / GB:.2f} GiB"
+    )
 
 
 def throughput(best: dict[str, dict[str, Any]], path: str) -> float | None:
@@ -180,6 +191,13 @@ def markdown(results: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def write(arguments: Arguments, results: dict[str, Any]) -> None:
+    if arguments.output_dir:
+        folder = Path(arguments.output_dir)
+        atomic_write_text(folder / "results.json", json.dumps(results, indent=2) + "\n")
+        atomic_write_text(folder / "results.md", markdown(results))
+
+
 def fmt(value: float | None) -> str:
     return "" if value is None else f"{value:.2f}"
 
@@ -191,14 +209,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         check(arguments)
     except (ValueError, OutputDirError) as error:
         parser.error(str(error))
-    results = run(arguments)
-    report = markdown(results)
-    print(report)
+    results = run(arguments, on_result=lambda partial: write(arguments, partial))
+    print(markdown(results))
     if arguments.output_dir:
-        folder = Path(arguments.output_dir)
-        atomic_write_text(folder / "results.json", json.dumps(results, indent=2) + "\n")
-        atomic_write_text(folder / "results.md", report)
-        print(f"Results written to {folder}")
+        write(arguments, results)
+        print(f"Results written to {arguments.output_dir}")
     failed = [path for path, result in results["paths"].items() if result.get("status") != "ok"]
     if failed:
         print(f"{PROG}: no successful run for {', '.join(failed)}", file=sys.stderr)
