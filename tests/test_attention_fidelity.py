@@ -64,7 +64,17 @@ def smoke_run(script, checkpoint, tmp_path_factory) -> tuple[dict, str, str]:
 def test_json_has_a_row_per_cell_and_every_path(smoke_run):
     report, _, _ = smoke_run
     assert report["complete"] is True
-    assert {"command", "arguments", "device", "hardware", "versions", "attention", "model", "targets"} <= set(report)
+    assert {
+        "command",
+        "arguments",
+        "device",
+        "hardware",
+        "versions",
+        "attention",
+        "model",
+        "targets",
+        "seconds",
+    } <= set(report)
     assert report["device"] == "cpu"
     sweeps = [(row["sweep"], row["dtype"], row["seq_len"], row["head_dim"], row["gqa"]) for row in report["attention"]]
     expected = [("lengths", dtype, n, 16, 4) for n in (48, 96) for dtype in ("fp32", "bf16", "fp64")]
@@ -91,6 +101,7 @@ def test_fp64_runs_of_our_paths_land_on_the_reference(smoke_run):
         assert row["paths"]["fused"]["max_abs_error"] < 1e-12
         assert row["paths"]["default_attn_softmax_bf16"]["max_abs_error"] < 1e-12
         assert 1e-12 < row["paths"]["default"]["max_abs_error"] < 1e-5
+    assert report["model"]["reference_norms"] == {"rms_norms_in_float64": 5, "norm_classes_kept": []}
     check = report["model"]["reference_check"]
     assert check["fp64_fused"]["max_abs_error"] < 1e-10
     assert check["fp64_default_fp32_softmax"]["max_abs_error"] > check["fp64_fused"]["max_abs_error"]
@@ -105,7 +116,8 @@ def test_model_part_logits_and_perplexity(smoke_run):
         for paths in segment["dtypes"].values():
             assert paths["fused_fast_softmax"]["reason"] == "n/a on cpu"
             assert paths["default"]["status"] == paths["fused"]["status"] == "ok"
-        assert segment["dtypes"]["fp64"]["fused"]["max_abs_error"] < 1e-10
+        # A float64 model as users load it still computes its RMSNorms in fp32; the reference does not.
+        assert segment["dtypes"]["fp64"]["fused"]["max_abs_error"] < 1e-5
     perplexity = model["perplexity"]
     assert perplexity["predicted_tokens"] == 3 * 63 and perplexity["windows"] == 3
     values = perplexity["perplexity"]

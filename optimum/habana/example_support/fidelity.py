@@ -8,6 +8,7 @@ Markdown. Every usage problem is found before the first measurement and exits wi
 
 import shlex
 import sys
+import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -37,7 +38,7 @@ FULL_DEFAULTS: dict[str, Any] = {
     "head_dims": [64, 128, 256],
     "gqa": [1, 4, 8],
     "geometry_seq_lens": [2048],
-    "padded_seq_lens": [512, 2048, 8192],
+    "padded_seq_lens": [512, 2048, 4096],
     "logit_lens": [512, 2048],
     "ppl_window": 2048,
     "ppl_tokens": 4096,
@@ -215,6 +216,7 @@ def run(arguments: FidelityArguments, parser: HfArgumentParser, argv: Sequence[s
         usage_error(parser, str(error))
     if arguments.threads is not None:
         torch.set_num_threads(arguments.threads)
+    started = time.perf_counter()
     report: dict[str, Any] = {
         "complete": False,
         "command": shlex.join(["python", SCRIPT, *(sys.argv[1:] if argv is None else argv)]),
@@ -238,7 +240,7 @@ def run(arguments: FidelityArguments, parser: HfArgumentParser, argv: Sequence[s
         spec = GridSpec(**{name: getattr(arguments, name) for name in GridSpec.__dataclass_fields__})
         measure_grid(build_grid(spec), device, arguments.seed, add_record)
     if model_input is not None:
-        report["model"] = {"model": model_input.resolved.description, "text": model_input.text.name}
+        report["model"] = {"model": arguments.model_name_or_path or DEFAULT_MODEL_NAME, "text": model_input.text.name}
 
         def update(result: dict[str, Any]) -> None:
             report["model"].update(result, tokens_in_text=len(model_input.token_ids))
@@ -260,6 +262,7 @@ def run(arguments: FidelityArguments, parser: HfArgumentParser, argv: Sequence[s
             update,
         )
     report["complete"] = True
+    report["seconds"] = {"wall": time.perf_counter() - started, "process_cpu": time.process_time()}
     save()
     print(markdown(report))
     return 0

@@ -192,7 +192,12 @@ def markdown(report: dict[str, Any]) -> str:
         f"Device: {report['device']}; machine: {report['hardware']['cpu']}, {report['hardware']['cores']} cores, "
         f"{report['hardware']['torch_threads']} torch threads; versions: "
         + ", ".join(f"{name} {version}" for name, version in report["versions"].items())
-        + ("" if report.get("complete") else " (INCOMPLETE: the run stopped early)"),
+        + ("" if report.get("complete") else " (INCOMPLETE: the run stopped early)")
+        + (
+            f"; {report['seconds']['wall'] / 60:.1f} min wall, {report['seconds']['process_cpu'] / 60:.1f} min CPU"
+            if "seconds" in report
+            else ""
+        ),
         "",
     ]
     records = report.get("attention", [])
@@ -208,10 +213,13 @@ def markdown(report: dict[str, Any]) -> str:
         rows = logits_rows(model)
         if rows:
             lines += [tabulate(rows, headers="keys", tablefmt="github"), ""]
-        check = model["reference_check"]
+        check, norms = model["reference_check"], model["reference_norms"]
+        kept = f"; kept in fp32: {', '.join(norms['norm_classes_kept'])}" if norms["norm_classes_kept"] else ""
         lines += [
-            f"Reference check ({check['tokens']} tokens, float64 model): fused path {error_cell(check['fp64_fused'])}; "
-            f"default path with its fp32 softmax {error_cell(check['fp64_default_fp32_softmax'])}.",
+            f"The reference: the model in float64 on the default path, softmax and {norms['rms_norms_in_float64']} "
+            f"RMSNorms in float64{kept}. Its check ({check['tokens']} tokens, the same float64 model): fused path "
+            f"{error_cell(check['fp64_fused'])}; default path with its fp32 softmax "
+            f"{error_cell(check['fp64_default_fp32_softmax'])}.",
             "",
         ]
         if "perplexity" in model:
