@@ -27,13 +27,13 @@ from optimum.habana.example_support.failures import exit_on_interrupt_or_oom
 from optimum.habana.example_support.lm_eval_arguments import (
     build_parser,
     check_output_file,
+    evaluation_buckets,
     evaluation_notes,
     merged_gen_kwargs,
     parse_arguments,
     parse_metadata,
 )
 from optimum.habana.example_support.lm_eval_model import (
-    DEFAULT_BUCKETS,
     LM_EVAL_MAX_GEN_TOKS,
     EvalOptions,
     GaudiEvalLM,
@@ -67,7 +67,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     execution = script.execution
     configure_lm_eval_logging()
     if script.output.explain:
-        print(explain(script))
+        try:
+            print(explain(script))
+        except (ModelResolutionError, ValueError) as error:
+            usage_error(parser, str(error))
         print(
             "Note: --explain: the account above is of run_generation.py's prompts; the tasks' requests take the same "
             "paths, padded on the right (log-likelihoods) or on the left (generate_until)."
@@ -104,10 +107,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(True)
     if script.attention.attn_softmax_bf16 and script.attention.use_flash_attention:
         warnings.filterwarnings("ignore", message="attn_softmax_bf16 with use_flash_attention")  # noted above
-    static = execution.static_shapes or execution.torch_compile or (execution.use_hpu_graphs and device.type == "hpu")
     options = EvalOptions(
         attention=script.attention.attention_flags().as_dict(),
-        buckets=tuple(evaluation.buckets or (DEFAULT_BUCKETS if static else ())),
+        buckets=evaluation_buckets(arguments, device),
         cache_layout=kv_cache_layout(script, device),
         torch_compile=execution.torch_compile,
         max_gen_toks=script.workload.max_new_tokens if "max_new_tokens" in given else LM_EVAL_MAX_GEN_TOKS,
@@ -168,7 +170,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def header(description: str, device: torch.device, dtype: torch.dtype, flash: bool, lm: GaudiEvalLM, tasks) -> str:
+def header(
+    description: str, device: torch.device, dtype: torch.dtype, flash: bool, lm: GaudiEvalLM, tasks: Sequence[str]
+) -> str:
+    """What is evaluated, where, and how the requests are batched."""
     attention = "fused kernel (--use_flash_attention)" if flash else "default (matmul-softmax)"
     buckets = " ".join(map(str, lm.buckets.sizes)) if lm.buckets else "off"
     return "\n".join(

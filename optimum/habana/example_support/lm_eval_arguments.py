@@ -18,6 +18,7 @@ from transformers import HfArgumentParser
 
 from .arguments import AttentionArguments, check_finite_numbers
 from .distributed import ParallelArguments
+from .lm_eval_model import DEFAULT_BUCKETS
 from .outputs import writable_folder
 from .text_generation import (
     SAMPLING_ARGUMENTS,
@@ -243,30 +244,57 @@ def merged_gen_kwargs(arguments: LmEvalScriptArguments, given: set[str]) -> str 
     return ",".join(f"{key}={value}" for key, value in pairs.items()) or None
 
 
+# run_generation.py flags that mean nothing for an evaluation: one line each when given, and no effect.
+NOT_USED = {
+    "prompt": "not used: the tasks give the texts.",
+    "prompt_file": "not used: the tasks give the texts.",
+    "book_source": "not used: the tasks give the texts (essay_perplexity reads the same essay).",
+    "dataset_name": "not used: the tasks give the texts (--tasks, --include_path for your own data).",
+    "column_name": "not used: the tasks give the texts.",
+    "ignore_eos": "no effect: lm-eval stops each generation at the task's stop sequences and end-of-sequence.",
+    "n_iterations": "no effect: one evaluation is run; run the command again to repeat it.",
+    "output_dir": "not used: the results go to -o/--output_file.",
+    "overwrite_output_dir": "not used: --overwrite replaces an existing -o/--output_file.",
+    "reuse_cache": "lm-eval's batches differ in size and length, so each generate_until batch allocates its own "
+    "static cache (as with --static_shapes).",
+    "continuous_batching": "no effect: lm-eval's requests run in its own batches (--batch_size) through forward() "
+    "and generate().",
+    "cb_max_batch_tokens": "no effect: run_lm_eval.py does not use continuous batching.",
+}
+# Flags that act here (or, like --trim_logits and --attn_batch_split, get their line from run_generation.py's own
+# notes). Together with NOT_USED they account for every flag; the tests check that none is left out.
+ACTING = {
+    *(dataclass_field.name for dataclass_field in dataclasses.fields(AttentionArguments)),
+    *(dataclass_field.name for dataclass_field in dataclasses.fields(LmEvalArguments)),
+    *(dataclass_field.name for dataclass_field in dataclasses.fields(ModelArguments)),
+    *(dataclass_field.name for dataclass_field in dataclasses.fields(ParallelArguments)),
+    *("batch_size", "max_input_tokens", "max_new_tokens", "chat", "do_sample", "num_beams", *SAMPLING_ARGUMENTS),
+    *("use_kv_cache", "trim_logits", "seed", "bf16", "device", "static_shapes", "torch_compile", "use_hpu_graphs"),
+    *("bucket_size", "bucket_internal", "limit_hpu_graphs", "sdp_on_bf16", "attn_batch_split", "warmup", "explain"),
+}
+
+
+def evaluation_buckets(arguments: LmEvalScriptArguments, device: torch.device) -> tuple[int, ...]:
+    """--buckets, or upstream's default ones where shapes must stay few (static shapes, compilation, HPU graphs)."""
+    execution = arguments.script.execution
+    static = execution.static_shapes or execution.torch_compile or (execution.use_hpu_graphs and device.type == "hpu")
+    return tuple(arguments.evaluation.buckets or (DEFAULT_BUCKETS if static else ()))
+
+
 def evaluation_notes(
     arguments: LmEvalScriptArguments, given: set[str], device: torch.device, dtype: torch.dtype
 ) -> list[str]:
     """One line per given flag that does something else here than its name says."""
     workload, execution = arguments.script.workload, arguments.script.execution
     notes = [note for note in flag_notes(arguments.script, device, dtype) if not note.startswith("--prompt:")]
-    not_here = {
-        "prompt": "not used: the tasks give the texts.",
-        "prompt_file": "not used: the tasks give the texts.",
-        "book_source": "not used: the tasks give the texts (essay_perplexity reads the same essay).",
-        "chat": "the same as --apply_chat_template here: the tasks' prompts are wrapped in the chat template.",
-        "ignore_eos": "no effect: lm-eval stops each generation at the task's stop sequences and end-of-sequence.",
-        "n_iterations": "no effect: one evaluation is run; run the command again to repeat it.",
-        "output_dir": "not used: the results go to -o/--output_file.",
-        "overwrite_output_dir": "not used: --overwrite replaces an existing -o/--output_file.",
-        "reuse_cache": "lm-eval's batches differ in size and length, so each generate_until batch allocates its own "
-        "static cache (as with --static_shapes).",
-    }
-    notes += [f"--{name}: {sentence}" for name, sentence in not_here.items() if name in given]
+    notes += [f"--{name}: {sentence}" for name, sentence in NOT_USED.items() if name in given]
+    if "chat" in given:
+        notes.append("--chat: the same as --apply_chat_template here: the tasks' prompts get the chat template.")
     for name in ("do_sample", "num_beams", *SAMPLING_ARGUMENTS):
         if name in given:
             notes.append(f"--{name}: added to --gen_kwargs, so it applies to generate_until tasks.")
-    if "warmup" in given and not (arguments.evaluation.buckets or execution.static_shapes):
-        notes.append("--warmup: nothing to warm up without --buckets or --static_shapes (one forward per bucket).")
+    if "warmup" in given and not evaluation_buckets(arguments, device):
+        notes.append("--warmup: nothing to warm up without buckets (--buckets or --static_shapes).")
     if arguments.evaluation.max_graphs is not None and not (execution.use_hpu_graphs and device.type == "hpu"):
         notes.append(
             f"--max_graphs: limits the HPU graphs of --use_hpu_graphs on Gaudi; no effect on {device.type} without them."
@@ -280,11 +308,14 @@ def evaluation_notes(
 
 
 __all__ = [
+    "ACTING",
     "DEFAULT_TASKS",
+    "NOT_USED",
     "LmEvalArguments",
     "LmEvalScriptArguments",
     "build_parser",
     "check_output_file",
+    "evaluation_buckets",
     "evaluation_notes",
     "given_flags",
     "merged_gen_kwargs",
