@@ -197,6 +197,20 @@ def test_a_user_task_folder_runs_generate_until_with_the_flag(script, tiny, tmp_
     assert answers[0] == answers[1]  # the same greedy tokens
 
 
+def test_generate_until_gives_the_same_answers_with_every_kv_cache_layout(script, tiny, tmp_path):
+    folder = write_user_task(tmp_path / "tasks")
+    base = ["--tasks", "my_sums", "--include_path", str(folder), "--model_name_or_path", str(tiny), "--log_samples"]
+    base += ["--batch_size", "2", "--use_flash_attention"]
+    answers = []
+    for index, layout in enumerate([[], ["--static_shapes"], ["--bucket_size", "16", "--bucket_internal"]]):
+        results, calls = evaluate(script, [*base, *layout], tmp_path / f"{index}.json")
+        answers.append([sample["resps"] for sample in results["samples"]["my_sums"]])
+        assert {path for path, _ in calls} == {"fused"}
+    no_cache, _ = evaluate(script, [*base, "--use_kv_cache", "False"], tmp_path / "no_cache.json")
+    answers.append([sample["resps"] for sample in no_cache["samples"]["my_sums"]])
+    assert all(answer == answers[0] for answer in answers)
+
+
 def test_a_hub_task_offline_fails_with_one_line_before_the_model_loads(tiny, tmp_path):
     output = tmp_path / "out.json"
     environment = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
