@@ -124,6 +124,10 @@ def test_model_part_logits_and_perplexity(smoke_run):
     assert values["fp32"]["default"] == pytest.approx(values["reference"], rel=1e-5)
     assert values["fp32"]["fused"] == pytest.approx(values["fp32"]["default"], rel=1e-5)
     assert values["bf16"]["fused_fast_softmax"] == "n/a on cpu"
+    errors = perplexity["change_standard_error"]
+    assert set(errors) == {"fp32", "bf16", "fp64"} and all(set(value) == {"fused"} for value in errors.values())
+    assert 0 <= errors["fp32"]["fused"] < errors["bf16"]["fused"]
+    assert report["targets"]["perplexity_bf16"]["standard_error"] == errors["bf16"]["fused"]
     assert {"attention_error_ratio", "logits_error_ratio", "perplexity_fp32", "perplexity_bf16"} <= set(
         report["targets"]
     )

@@ -9,6 +9,7 @@ the same values in every run, so part of the model, not an error. Each text segm
 that is both a logits length and a perplexity window serves both.
 """
 
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -102,10 +103,10 @@ def logits_of(model: PreTrainedModel, token_ids: torch.Tensor, flags: dict[str, 
     return logits
 
 
-def negative_log_likelihood(logits: torch.Tensor, token_ids: torch.Tensor) -> float:
-    """The summed negative log-likelihood of tokens 1..L-1 given their prefixes, in float64."""
+def negative_log_likelihood(logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    """The negative log-likelihood of each of tokens 1..L-1 given its prefix, in float64 on the CPU."""
     log_probabilities = torch.log_softmax(logits[:-1].to("cpu", torch.float64), dim=-1)
-    return -log_probabilities.gather(1, token_ids[1:, None].cpu()).sum().item()
+    return -log_probabilities.gather(1, token_ids[1:, None].cpu())[:, 0]
 
 
 def logits_errors(logits: torch.Tensor, reference: torch.Tensor) -> dict[str, Any]:
@@ -137,11 +138,15 @@ def measure_segment(
         "start": segment.start,
         "length": segment.length,
         "predicted_tokens": segment.length - 1,
-        "reference": {"nll_sum": negative_log_likelihood(reference, ids), "seconds": time.perf_counter() - started},
+        "reference": {
+            "nll_sum": negative_log_likelihood(reference, ids).sum().item(),
+            "seconds": time.perf_counter() - started,
+        },
         "dtypes": {},
     }
     for dtype, model in models.items():
         record["dtypes"][dtype] = {}
+        default_nll = None
         for path in MODEL_PATHS:
             reason = model_path_applies(path, device)
             if reason is not None:
@@ -152,7 +157,12 @@ def measure_segment(
             seconds = time.perf_counter() - started
             result = logits_errors(logits, reference)
             if result["status"] == "ok":
-                result["nll_sum"] = negative_log_likelihood(logits, ids)
+                nll = negative_log_likelihood(logits, ids)
+                result["nll_sum"] = nll.sum().item()
+                if path == DEFAULT:
+                    default_nll = nll
+                elif default_nll is not None:  # for the paired standard error of the perplexity change
+                    result["nll_difference_square_sum"] = (nll - default_nll).square().sum().item()
             record["dtypes"][dtype][path] = {**result, "seconds": seconds}
             del logits
             log(f"[model] {dtype} {path} tokens {segment.start}-{segment.start + segment.length}: {seconds:.1f} s")
@@ -182,6 +192,7 @@ def perplexities(records: Sequence[dict[str, Any]], windows: Sequence[Segment]) 
         return float(torch.tensor(sum(values) / predicted, dtype=torch.float64).exp())
 
     result: dict[str, Any] = {"reference": perplexity([record["reference"]["nll_sum"] for record in chosen])}
+    standard_errors: dict[str, dict[str, float]] = {}
     for dtype in chosen[0]["dtypes"] if chosen else ():
         result[dtype] = {}
         for path in MODEL_PATHS:
@@ -192,7 +203,19 @@ def perplexities(records: Sequence[dict[str, Any]], windows: Sequence[Segment]) 
                 result[dtype][path] = next(
                     entry.get("reason", entry["status"]) for entry in entries if entry["status"] != "ok"
                 )
-    return {"predicted_tokens": predicted, "windows": len(chosen), "perplexity": result}
+            if all("nll_difference_square_sum" in entry for entry in entries):
+                defaults = [record["dtypes"][dtype][DEFAULT]["nll_sum"] for record in chosen]
+                mean = (sum(entry["nll_sum"] for entry in entries) - sum(defaults)) / predicted
+                square = sum(entry["nll_difference_square_sum"] for entry in entries) / predicted
+                standard_errors.setdefault(dtype, {})[path] = math.sqrt(max(square - mean**2, 0.0) / predicted)
+    return {
+        "predicted_tokens": predicted,
+        "windows": len(chosen),
+        "perplexity": result,
+        # Per path: the standard error of its mean per-token log-likelihood difference to the default path (paired,
+        # tokens taken as independent), which is also the standard error of the relative perplexity change.
+        "change_standard_error": standard_errors,
+    }
 
 
 def measure_model(

@@ -124,19 +124,26 @@ def relative_change(value: Any, reference: float) -> str:
     return f"{100 * (value / reference - 1):+.4f} %" if isinstance(value, float) else "-"
 
 
+def change_error(model: dict[str, Any], dtype: str) -> float | None:
+    """The standard error of the fused path's relative perplexity change (older reports have none)."""
+    return model["perplexity"].get("change_standard_error", {}).get(dtype, {}).get(FUSED)
+
+
 def perplexity_rows(model: dict[str, Any]) -> list[dict[str, str]]:
     table = model["perplexity"]["perplexity"]
     rows = [{"dtype": "fp64 (reference)", "default": perplexity_value(table["reference"])}]
     for dtype, values in table.items():
         if dtype == "reference":
             continue
-        change = perplexity_change(values)
+        change, error = perplexity_change(values), change_error(model, dtype)
         rows.append(
             {
                 "dtype": dtype,
                 "default": perplexity_value(values.get(DEFAULT)),
                 "fused": perplexity_value(values.get(FUSED)),
-                "fused vs default": "" if change is None else f"{100 * change:+.4f} %",
+                "fused vs default": ""
+                if change is None
+                else f"{100 * change:+.4f} %" + ("" if error is None else f" ± {100 * error:.4f} %"),
                 "fused + fast softmax": perplexity_value(values.get(FAST_SOFTMAX)),
                 "default / fused vs fp64": " / ".join(
                     relative_change(values.get(path), table["reference"]) for path in (DEFAULT, FUSED)
@@ -178,7 +185,11 @@ def judge_targets(report: dict[str, Any]) -> dict[str, Any]:
         for dtype, values in model["perplexity"]["perplexity"].items():
             change = perplexity_change(values) if isinstance(values, dict) else None
             if change is not None:
-                targets[f"perplexity_{dtype}"] = {"change": change, "met": abs(change) <= PERPLEXITY_TARGET}
+                targets[f"perplexity_{dtype}"] = {
+                    "change": change,
+                    "standard_error": change_error(model, dtype),
+                    "met": abs(change) <= PERPLEXITY_TARGET,
+                }
     return targets
 
 
@@ -247,9 +258,17 @@ def target_lines(targets: dict[str, Any]) -> list[str]:
             )
     for name, entry in targets.items():
         if name.startswith("perplexity_"):
+            error = entry.get("standard_error")
+            spread = "" if error is None else f" ± {100 * error:.4f} % (standard error)"
+            unresolved = error is not None and abs(abs(entry["change"]) - PERPLEXITY_TARGET) < 2 * error
             lines.append(
-                f"{name.removeprefix('perplexity_')} perplexity, fused vs default: {100 * entry['change']:+.4f} % "
-                f"({'within' if entry['met'] else 'outside'} {100 * PERPLEXITY_TARGET:.1f} %)"
+                f"{name.removeprefix('perplexity_')} perplexity, fused vs default: {100 * entry['change']:+.4f} %"
+                f"{spread} ({'within' if entry['met'] else 'outside'} {100 * PERPLEXITY_TARGET:.1f} %"
+                + (
+                    "; less than two standard errors from the limit: not resolved by this many tokens)"
+                    if unresolved
+                    else ")"
+                )
             )
     return lines
 
