@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """How far is each attention path from the exact answer: the fidelity table of docs/fidelity.md.
 
-    python examples/text-generation/attention_fidelity.py --output_dir fidelity --threads 1   # ~30 min on 2 CPU cores
-    python examples/text-generation/attention_fidelity.py --quick                            # about a minute
+    python examples/text-generation/attention_fidelity.py --output_dir fidelity --threads 1   # ~40 min on this CPU
+    python examples/text-generation/attention_fidelity.py --quick                            # 1-2 minutes
 
 The fused path (--use_flash_attention) and the default path, called through the library's attention function and
 run through the embedded SmolLM2, against float64: max and mean absolute error of the attention output (lengths

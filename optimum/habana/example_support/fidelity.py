@@ -31,8 +31,8 @@ from .text_generation import environment_versions
 SCRIPT = "examples/text-generation/attention_fidelity.py"
 LONG_TEXT_PATH = Path(__file__).parent / "data" / "long_prompt.txt"
 PARTS = ("attention", "model")
-# The default grid, sized to finish in about half an hour on a 2-core CPU with one thread (bf16 matmuls are
-# emulated there, and the default path's bf16 scores dominate); --quick is a minute's smoke run.
+# The default grid: about 40 minutes of one CPU thread on a 2-core AVX2 machine, most of it the default path's bf16
+# scores (PyTorch emulates bf16 matmuls there); --quick is a minute or two.
 FULL_DEFAULTS: dict[str, Any] = {
     "seq_lens": [512, 1024, 2048, 4096, 8192, 16384],
     "head_dims": [64, 128, 256],
@@ -68,7 +68,9 @@ class FidelityArguments:
     device: str = field(default="auto", metadata={"choices": DEVICE_CHOICES, "help": "auto: HPU, CUDA, then CPU."})
     threads: int | None = field(default=None, metadata={"help": "Torch threads (default: torch's, all cores)."})
     seed: int = field(default=0, metadata={"help": "Seed of the random attention inputs."})
-    quick: bool = field(default=False, metadata={"help": "A small grid and short model segments (about a minute)."})
+    quick: bool = field(
+        default=False, metadata={"help": "A small grid and short model segments (1-2 minutes on a 2-core CPU)."}
+    )
     parts: list[str] = field(
         default_factory=lambda: list(PARTS), metadata={"nargs": "+", "help": "attention, model, or both."}
     )
