@@ -13,6 +13,7 @@ import resource
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -169,18 +170,24 @@ def measure_attention_kernel(task: dict[str, Any]) -> dict[str, Any]:
     return {"status": "ok", "seconds": seconds, "flops_per_second": rates, "attention_flops": attention_flops}
 
 
-def main(argv: list[str]) -> int:
-    task = json.loads(argv[0])
-    torch.set_num_threads(task.get("threads") or torch.get_num_threads())
-    measure = measure_attention_kernel if task["kind"] == "kernel" else measure_generation
+def report_measurement(measure: Callable[[dict[str, Any]], dict[str, Any]], task: dict[str, Any]) -> int:
+    """Print `measure(task)` on the marker line the parent reads; an OOM is a measurement (its cell says so, the
+    grid goes on), anything else is a broken run, raised with its traceback."""
     try:
         result = measure(task)
-    except Exception as error:  # reported in the table's cell; the grid goes on
+    except Exception as error:
         if not is_out_of_memory(error):
             raise
         result = {"status": "oom", "error": str(error).strip().splitlines()[0][:300]}
     print(RESULT_MARKER + json.dumps(result), flush=True)
     return 0
+
+
+def main(argv: list[str]) -> int:
+    task = json.loads(argv[0])
+    torch.set_num_threads(task.get("threads") or torch.get_num_threads())
+    measure = measure_attention_kernel if task["kind"] == "kernel" else measure_generation
+    return report_measurement(measure, task)
 
 
 if __name__ == "__main__":

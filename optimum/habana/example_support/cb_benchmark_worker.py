@@ -28,7 +28,7 @@ from ..transformers import gaudi_model_class
 from ..utils.devices import memory_stats, reset_peak_memory
 from ..utils.model_loading import resolve_model
 from ..utils.pretrained import load_tokenizer
-from .benchmark_worker import RESULT_MARKER, is_out_of_memory
+from .benchmark_worker import report_measurement
 from .continuous_generation import engine_config
 from .text_generation import LONG_PROMPT_PATH
 
@@ -125,14 +125,7 @@ def main(argv: list[str]) -> int:
     task = json.loads(argv[0])
     if task.get("threads"):
         torch.set_num_threads(task["threads"])
-    try:
-        result = measure(task)
-    except Exception as error:  # an OOM is a measurement; anything else is a broken run, raised with its traceback
-        if not is_out_of_memory(error):
-            raise
-        result = {"status": "oom", "error": str(error).strip().splitlines()[0][:300]}
-    print(RESULT_MARKER + json.dumps(result), flush=True)
-    return 0
+    return report_measurement(measure, task)
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ import torch
 
 from ..utils.devices import memory_stats, reset_peak_memory
 from .benchmark_models import ModelSpec, build_model
-from .benchmark_worker import RESULT_MARKER, cap_address_space, is_out_of_memory
+from .benchmark_worker import cap_address_space, report_measurement
 from .finetuning import add_lora, lora_config
 
 
@@ -133,14 +133,7 @@ def main(argv: list[str]) -> int:
     task = json.loads(argv[0])
     if task.get("threads"):
         torch.set_num_threads(task["threads"])
-    try:
-        result = measure_training(task)
-    except Exception as error:  # an OOM is a measurement; anything else is a broken run, raised with its traceback
-        if not is_out_of_memory(error):
-            raise
-        result = {"status": "oom", "error": str(error).strip().splitlines()[0][:300]}
-    print(RESULT_MARKER + json.dumps(result), flush=True)
-    return 0
+    return report_measurement(measure_training, task)
 
 
 if __name__ == "__main__":
