@@ -21,7 +21,7 @@ INSTALL_REQUIRES = [
 ]
 
 EXTRAS = {
-    # What the scripts in examples/ and their support package `optimum.habana.example_support` need.
+    # What the scripts in examples/ and their code, `optimum.habana.cli`, need.
     "examples": ["datasets>=3", "peft>=0.17", "tqdm>=4.60", "tabulate>=0.9", "matplotlib>=3.8"],
     # filelock: tests/test_multi_device.py starts its multi-process runs once per session, even under xdist.
     "tests": ["pytest>=8", "pytest-xdist>=3", "ruff>=0.6", "filelock>=3"],
@@ -43,12 +43,8 @@ setup(
     # The long prompt of run_generation.py's --book_source, and run_lm_eval.py's offline tasks (their YAML files,
     # flash_mc's items, their README); all written for this project, Apache-2.0 like the code.
     package_data={
-        "optimum.habana.example_support": [
-            "data/*.txt",
-            "lm_eval_tasks/README.md",
-            "lm_eval_tasks/*/*.yaml",
-            "lm_eval_tasks/*/*.jsonl",
-        ]
+        "optimum.habana.cli": ["data/*.txt"],
+        "optimum.habana.cli.evaluation.lm_eval": ["tasks/README.md", "tasks/*/*.yaml", "tasks/*/*.jsonl"],
     },
     python_requires=">=3.10",
     install_requires=INSTALL_REQUIRES,

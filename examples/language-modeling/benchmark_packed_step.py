@@ -23,7 +23,7 @@ import torch
 from tabulate import tabulate
 from transformers import DataCollatorWithFlattening
 
-from optimum.habana.example_support.benchmark_models import PRESETS, ModelSpec, build_model
+from optimum.habana.cli.benchmarks.models import PRESETS, ModelSpec, build_model
 
 
 PATHS = ("floor", "flash", "default", "sdpa", "eager")

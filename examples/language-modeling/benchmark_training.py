@@ -39,24 +39,19 @@ from typing import Any, NoReturn
 import torch
 from transformers import AutoConfig
 
-from optimum.habana.example_support import benchmark
-from optimum.habana.example_support.benchmark import memory_budget_bytes, ratio
-from optimum.habana.example_support.benchmark_models import PRESETS, ModelSpec, checkpoint_path
-from optimum.habana.example_support.benchmark_report import GB
-from optimum.habana.example_support.outputs import OutputDirError, writable_folder
-from optimum.habana.example_support.training_benchmark_report import (
-    PLOT_FILE,
-    RESULT_FILES,
-    markdown_report,
-    write_results,
-)
+from optimum.habana.cli.benchmarks import workers
+from optimum.habana.cli.benchmarks.models import PRESETS, ModelSpec, checkpoint_path
+from optimum.habana.cli.benchmarks.tables import GB
+from optimum.habana.cli.benchmarks.training.report import PLOT_FILE, RESULT_FILES, markdown_report, write_results
+from optimum.habana.cli.benchmarks.workers import memory_budget_bytes, ratio
+from optimum.habana.cli.common import OutputDirError, writable_folder
 from optimum.habana.utils.model_loading import DEFAULT_MODEL_NAME
 
 
 PROG = "benchmark_training.py"
 PATHS = ("floor", "flash", "default", "sdpa", "eager")
 CHECKPOINT_ALIASES = {"smollm2": DEFAULT_MODEL_NAME, DEFAULT_MODEL_NAME: DEFAULT_MODEL_NAME}
-WORKER = "optimum.habana.example_support.training_benchmark_worker"
+WORKER = "optimum.habana.cli.benchmarks.training.worker"
 
 
 @dataclass(frozen=True)
@@ -189,7 +184,7 @@ def grid(specs: Sequence[ModelSpec], arguments: argparse.Namespace) -> list[Row]
 
 def run_worker(task: dict[str, Any], timeout: float) -> dict[str, Any]:
     """One measurement in a fresh process: its result, or a timeout / OOM / error status."""
-    return benchmark.run_worker(task, timeout, worker=WORKER)
+    return workers.run_worker(task, timeout, worker=WORKER)
 
 
 def row_task(row: Row, path: str, arguments: argparse.Namespace, budget: int | None) -> dict[str, Any]:
@@ -256,7 +251,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         notes = beyond_positions(specs, max(arguments.tokens))
     except (OutputDirError, OSError) as error:
         usage_error(parser, str(error))
-    budget = memory_budget_bytes(arguments, torch.device("cpu"))
+    budget = memory_budget_bytes(arguments.memory_limit_gb, torch.device("cpu"))
     header = (
         "Device: cpu, fp32; one forward + backward for the memory, then the fastest of "
         f"{arguments.timed_steps} timed; no optimizer step; each path of a row in a fresh process"

@@ -35,18 +35,17 @@ from transformers import (
     set_seed,
 )
 
-from optimum.habana.example_support import (
-    adapters,
-    data_options,
-    failures,
-    finetuning,
+from optimum.habana.cli import adapters, common
+from optimum.habana.cli.finetuning import (
+    checkpoints,
+    data,
     loading_options,
-    outputs,
+    modeling,
     peft_methods,
     run_record,
-    sharded_training,
+    sharding,
 )
-from optimum.habana.example_support.finetuning_arguments import (
+from optimum.habana.cli.finetuning.arguments import (
     ARGUMENT_CLASSES,
     Arguments,
     GenerationArguments,
@@ -57,9 +56,10 @@ from optimum.habana.example_support.finetuning_arguments import (
     resolve_dtype,
     usage_error,
 )
-from optimum.habana.example_support.gaudi_training_arguments import ThroughputAfterWarmup
-from optimum.habana.example_support.prompts import build_styled_prompt
-from optimum.habana.example_support.trainer import (
+from optimum.habana.cli.finetuning.errors import FineTuningError
+from optimum.habana.cli.finetuning.gaudi_arguments import ThroughputAfterWarmup
+from optimum.habana.cli.finetuning.prompts import DataFormat, build_styled_prompt
+from optimum.habana.cli.finetuning.trainer import (
     FiniteLossTrainer,
     NonFiniteLossError,
     next_token_accuracy,
@@ -96,7 +96,7 @@ def main(argv: Sequence[str] | None = None, callbacks: list[TrainerCallback] | N
     parser = HfArgumentParser((*ARGUMENT_CLASSES, TrainingArguments), prog=Path(__file__).name)
     args = parse_arguments(parser, sys.argv[1:] if argv is None else list(argv))
     progress = Progress()
-    with failures.exit_on_interrupt_or_oom(
+    with common.exit_on_interrupt_or_oom(
         parser.prog,
         on_interrupt=lambda: interrupted_message(progress),
         on_out_of_memory=lambda error: out_of_memory_message(progress, error, args),
@@ -113,26 +113,26 @@ def run(
     try:
         check_numbers(args)
         peft_methods.check_peft_arguments(args.peft, lora_args)
-        flags = finetuning.attention_flags_from(attention_args)
+        flags = modeling.attention_flags_from(attention_args)
         notes = gaudi_options(args)
         check_arguments(data_args, generation_args, training_args)
         prompt_style = loading_options.prompt_style(data_args)
         loading_options.apply_sql_columns(data_args)
-        resume = outputs.parse_resume_value(training_args.resume_from_checkpoint)
-        outputs.check_overwrite_and_resume(output_args.overwrite_output_dir, resume, training_args.output_dir)
+        resume = checkpoints.parse_resume_value(training_args.resume_from_checkpoint)
+        checkpoints.check_overwrite_and_resume(output_args.overwrite_output_dir, resume, training_args.output_dir)
         # Under torchrun one process at a time: another's write probe would make the folder look non-empty.
         with training_args.main_process_first(desc="checking the output folder"):
-            output_dir = outputs.prepare_output_dir(
+            output_dir = common.prepare_output_dir(
                 training_args.output_dir, overwrite=output_args.overwrite_output_dir, resuming=resume is not None
             )
             if output_args.overwrite_output_dir and training_args.should_save:
-                outputs.remove_earlier_checkpoints(output_dir)
+                checkpoints.remove_earlier_checkpoints(output_dir)
         progress.output_dir = output_dir
         progress.phase = "loading the model"
         # Under torchrun the first process of each machine resolves (converts a .gguf once); the others then load.
         with training_args.main_process_first(local=True, desc="resolving the model"):
             resolved = resolve_model(model_args.model_name_or_path, **loading_options.hub_options(model_args))
-        finetuning.check_max_seq_length(data_args.max_seq_length, resolved)
+        data.check_max_seq_length(data_args.max_seq_length, resolved)
         config = loading_options.load_config_override(model_args.config_name, model_args.token)
         loading_options.check_config_fits(config, resolved.path)
         tokenizer_override = loading_options.load_tokenizer_override(model_args.tokenizer_name, model_args.token)
@@ -142,22 +142,22 @@ def run(
             data_args.train_file = str(DEFAULT_TRAIN_FILE)
         train_file = data_args.train_file
         arguments_of_this_run = run_record.run_arguments(model_args, data_args, lora_args, args.peft, training_args)
-        checkpoint = outputs.resolve_checkpoint(resume, output_dir)
+        checkpoint = checkpoints.resolve_checkpoint(resume, output_dir)
         if checkpoint is not None:
             if not training_args.do_train:
-                raise finetuning.FineTuningError("--resume_from_checkpoint continues a training: pass --do_train.")
+                raise FineTuningError("--resume_from_checkpoint continues a training: pass --do_train.")
             adapters.check_adapter_folder(checkpoint, "--resume_from_checkpoint")
             if problem := run_record.resume_problem(checkpoint, arguments_of_this_run):
-                raise finetuning.FineTuningError(f"--resume_from_checkpoint: {problem}")
+                raise FineTuningError(f"--resume_from_checkpoint: {problem}")
         progress.phase = "loading the data"
-        raw_datasets, data_format = finetuning.load_raw_datasets(
+        raw_datasets, data_format = data.load_raw_datasets(
             train_file=train_file,
             validation_file=data_args.validation_file,
             dataset_name=data_args.dataset_name,
             dataset_config_name=data_args.dataset_config_name,
             validation_split_percentage=data_args.validation_split_percentage,
             seed=training_args.seed if data_args.dataset_seed is None else data_args.dataset_seed,
-            columns=data_options.column_renames(data_args),
+            columns=data.column_renames(data_args),
             keep_linebreaks=data_args.keep_linebreaks,
             load_options={
                 "keep_in_memory": data_args.keep_in_memory,
@@ -165,11 +165,9 @@ def run(
                 **({"token": model_args.token} if model_args.token else {}),
             },
         )
-        raw_datasets = data_options.limit_examples(
-            raw_datasets, data_args.max_train_samples, data_args.max_eval_samples
-        )
+        raw_datasets = data.limit_examples(raw_datasets, data_args.max_train_samples, data_args.max_eval_samples)
         if training_args.do_eval and "validation" not in raw_datasets:
-            raise finetuning.FineTuningError(
+            raise FineTuningError(
                 "--do_eval needs validation data: pass --validation_file or a --validation_split_percentage above 0."
             )
         set_seed(training_args.seed)
@@ -189,15 +187,20 @@ def run(
         )
         model, tokenizer = loaded.model, tokenizer_override or loaded.tokenizer
         # Before PEFT wraps the model: its forward reads the flags from here on every call.
-        finetuning.set_attention_flags(model, flags)
+        modeling.set_attention_flags(model, flags)
         peft_config = peft_methods.peft_config(args.peft, lora_args, model)
         model = peft_methods.add_adapter(model, peft_config, args.peft.peft_type)
-        notes += sharded_training.match_wrap_classes(training_args, model)
+        notes += sharding.match_wrap_classes(training_args, model)
         if checkpoint is not None:
             adapters.check_adapter_matches(checkpoint, model, "--resume_from_checkpoint")
-    except (finetuning.FineTuningError, ModelResolutionError, outputs.OutputDirError, adapters.AdapterError) as error:
+    except (
+        FineTuningError,
+        ModelResolutionError,
+        common.OutputDirError,
+        adapters.AdapterError,
+    ) as error:
         usage_error(parser, str(error))
-    except ValueError as error:  # sharded_training.match_wrap_classes
+    except ValueError as error:  # sharding.match_wrap_classes
         usage_error(parser, str(error))
 
     logger.info("Model: %s, %s, attention flags %s", loaded.resolved.description, dtype, flags)
@@ -213,7 +216,7 @@ def run(
     datasets = {}
     for split, dataset in raw_datasets.items():
         with training_args.main_process_first(desc=f"tokenizing {split}"):
-            tokenized = finetuning.tokenize_dataset(
+            tokenized = data.tokenize_dataset(
                 dataset,
                 tokenizer,
                 data_format,
@@ -223,7 +226,7 @@ def run(
                 load_from_cache_file=False if data_args.overwrite_cache else None,
             )
             if data_args.dataset_concatenation:
-                tokenized = finetuning.pack_sequences(tokenized, data_args.max_seq_length)
+                tokenized = data.pack_sequences(tokenized, data_args.max_seq_length)
         if tokenized.num_rows == 0:
             usage_error(
                 parser,
@@ -241,7 +244,7 @@ def run(
         train_dataset=datasets["train"] if training_args.do_train else None,
         eval_dataset=datasets.get("validation") if training_args.do_eval else None,
         processing_class=tokenizer,
-        data_collator=finetuning.data_collator(
+        data_collator=data.data_collator(
             tokenizer,
             padding_free=data_args.padding_free,
             pad_to=data_args.max_seq_length if data_args.pad_to_max_length else None,
@@ -256,11 +259,11 @@ def run(
 
     if training_args.do_train:
         progress.phase = "training"
-        progress.checkpoints_before = {path.name for path in outputs.checkpoints(output_dir)}
+        progress.checkpoints_before = {path.name for path in checkpoints.checkpoints(output_dir)}
         devices.reset_peak_memory(device)
         try:
             train_result = trainer.train(resume_from_checkpoint=None if checkpoint is None else str(checkpoint))
-        except finetuning.FineTuningError as error:  # AdaLoraSchedule: the step count is known once training starts
+        except FineTuningError as error:  # AdaLoraSchedule: the step count is known once training starts
             usage_error(parser, str(error))
         except NonFiniteLossError as error:
             remove_partial_checkpoints(progress)
@@ -287,7 +290,7 @@ def run(
         trainer.log_metrics("train", train_metrics)
         metrics.update(train_metrics)
         progress.phase = "saving the adapter"
-        with outputs.publishing(output_dir) as staging:
+        with checkpoints.publishing(output_dir) as staging:
             if output_args.save_last_ckpt:  # the LoRA adapter and the tokenizer, for run_generation.py --peft_model
                 trainer.save_model(str(staging))
             if trainer.is_world_process_zero():
@@ -299,13 +302,13 @@ def run(
         progress.phase = "evaluating"
         devices.reset_peak_memory(device)
         eval_metrics = trainer.evaluate()
-        eval_metrics["perplexity"] = finetuning.perplexity(eval_metrics["eval_loss"])
+        eval_metrics["perplexity"] = modeling.perplexity(eval_metrics["eval_loss"])
         eval_metrics["eval_peak_memory_gb"] = peak_memory_gb(device)
         eval_metrics["eval_samples"] = datasets["validation"].num_rows
         trainer.log_metrics("eval", eval_metrics)
         metrics.update(eval_metrics)
         if trainer.is_world_process_zero():
-            with outputs.publishing(output_dir) as staging:
+            with checkpoints.publishing(output_dir) as staging:
                 write_metrics(staging, "eval", eval_metrics, metrics)
         progress.published.append("the evaluation results")
 
@@ -332,13 +335,13 @@ def write_metrics(folder: Path, split: str, split_metrics: dict[str, Any], run_m
 def remove_partial_checkpoints(progress: Progress) -> None:
     """The checkpoint folder this run was writing when it stopped, if any: no resume could use it."""
     if progress.output_dir is not None and progress.phase == "training":
-        outputs.remove_incomplete_checkpoints(progress.output_dir, keep=progress.checkpoints_before)
+        checkpoints.remove_incomplete_checkpoints(progress.output_dir, keep=progress.checkpoints_before)
 
 
 def interrupted_message(progress: Progress) -> str:
     """What Ctrl-C stopped, and what is kept: whole files only, and the way to continue."""
     kept = f"{' and '.join(progress.published)} of this run saved; " if progress.published else ""
-    complete = None if progress.output_dir is None else outputs.last_complete_checkpoint(progress.output_dir)
+    complete = None if progress.output_dir is None else checkpoints.last_complete_checkpoint(progress.output_dir)
     if complete is not None:
         then = f"continue from {complete.name} with --resume_from_checkpoint True"
     elif progress.published:
@@ -369,7 +372,7 @@ def generate_samples(
     model: torch.nn.Module,
     tokenizer: Any,
     raw_datasets: Any,
-    data_format: finetuning.DataFormat,
+    data_format: DataFormat,
     generation_args: GenerationArguments,
     prompt_style: str = "instruction",
 ) -> list[dict[str, str]]:
@@ -381,10 +384,10 @@ def generate_samples(
         references = [str(row["output"]) for row in rows]
     else:
         # Plain text: the first half of each line is the prompt, the rest the reference.
-        texts = [str(row[finetuning.TEXT_FIELD]) for row in rows]
+        texts = [str(row[data.TEXT_FIELD]) for row in rows]
         prompts = [text[: len(text) // 2] for text in texts]
         references = [text[len(text) // 2 :] for text in texts]
-    completions = finetuning.complete_prompts(model, tokenizer, prompts, generation_args.max_new_tokens)
+    completions = modeling.complete_prompts(model, tokenizer, prompts, generation_args.max_new_tokens)
     return [
         {"prompt": prompt, "completion": completion, "reference": reference}
         for prompt, completion, reference in zip(prompts, completions, references, strict=True)
@@ -418,7 +421,7 @@ def summary(
 
 def runtime_error(parser: HfArgumentParser, message: str) -> NoReturn:
     """Exit with status 1: the run itself failed (not the command line), with the message only."""
-    parser.exit(failures.EXIT_FAILURE, f"{parser.prog}: error: {message}\n")
+    parser.exit(common.EXIT_FAILURE, f"{parser.prog}: error: {message}\n")
 
 
 if __name__ == "__main__":

@@ -8,13 +8,13 @@ The fused path (--use_flash_attention) and the default path, called through the 
 run through the embedded SmolLM2, against float64: max and mean absolute error of the attention output (lengths
 512-16k, head dims 64-256, GQA ratios 1-8, left-padded batches, attn_softmax_bf16, Gaudi's fast softmax) and of the
 logits, plus the perplexity on the shipped long text, in fp32 and bf16. --device cuda/hpu fills the device columns.
-The code lives in `optimum.habana.example_support.fidelity`.
+The code lives in `optimum.habana.cli.evaluation.fidelity.command`.
 """
 
 import sys
 from collections.abc import Sequence
 
-from optimum.habana.example_support.fidelity import build_parser, parse_arguments, run
+from optimum.habana.cli.evaluation.fidelity.command import build_parser, parse_arguments, run
 
 
 def main(argv: Sequence[str] | None = None) -> int:

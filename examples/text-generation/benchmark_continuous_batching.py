@@ -28,16 +28,16 @@ from typing import Any
 from tabulate import tabulate
 from transformers import HfArgumentParser
 
-from optimum.habana.example_support import benchmark
-from optimum.habana.example_support.benchmark import ratio
-from optimum.habana.example_support.benchmark_report import GB
-from optimum.habana.example_support.cb_benchmark_worker import PATHS
-from optimum.habana.example_support.outputs import OutputDirError, writable_folder
+from optimum.habana.cli.benchmarks import workers
+from optimum.habana.cli.benchmarks.continuous_batching.worker import PATHS
+from optimum.habana.cli.benchmarks.tables import GB
+from optimum.habana.cli.benchmarks.workers import ratio
+from optimum.habana.cli.common import OutputDirError, writable_folder
 from optimum.habana.utils.atomic import atomic_write_text
 
 
 PROG = "benchmark_continuous_batching.py"
-WORKER = "optimum.habana.example_support.cb_benchmark_worker"
+WORKER = "optimum.habana.cli.benchmarks.continuous_batching.worker"
 # The targets: continuous batching with the flag against static batches, and against stock transformers.
 TARGETS = (("static_flash", 2.0), ("stock_cb_sdpa", 1.0))
 
@@ -101,7 +101,7 @@ def run(arguments: Arguments, on_result: Any = None) -> dict[str, Any]:
     for repeat in range(arguments.repeats):
         order = arguments.paths[repeat % len(arguments.paths) :] + arguments.paths[: repeat % len(arguments.paths)]
         for path in order:
-            result = benchmark.run_worker({**task, "path": path}, arguments.timeout, worker=WORKER)
+            result = workers.run_worker({**task, "path": path}, arguments.timeout, worker=WORKER)
             print(f"repeat {repeat + 1} {path}: {describe(result)}", file=sys.stderr, flush=True)
             runs[path].append(result)
             if on_result is not None:  # what is measured so far survives a run killed before its end

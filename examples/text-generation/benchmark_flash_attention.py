@@ -7,13 +7,14 @@
 
 Each path of each row runs in a fresh process; the Markdown table goes to stdout, --output_dir gets results.json
 and results.csv (and --plot a PNG). docs/benchmarks.md explains the columns and shows measured tables.
-The code lives in `optimum.habana.example_support.benchmark`.
+The code lives in `optimum.habana.cli.benchmarks.inference.command`.
 """
 
 import sys
 from collections.abc import Sequence
 
-from optimum.habana.example_support.benchmark import build_parser, parse_arguments, run
+from optimum.habana.cli.benchmarks.inference.arguments import build_parser, parse_arguments
+from optimum.habana.cli.benchmarks.inference.command import run
 
 
 def main(argv: Sequence[str] | None = None) -> int:

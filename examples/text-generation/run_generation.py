@@ -8,7 +8,7 @@
 It prints the generated texts, then throughput, latencies, memory, load and compile times; --output_dir also
 writes them to results.json (with Optimum-Habana's top-level keys). --explain says what a command line does on
 this device without running it. `--help` lists every argument; docs/run_generation.md explains them.
-The reusable pieces live in `optimum.habana.example_support.text_generation`.
+The reusable pieces live in `optimum.habana.cli.generation`.
 """
 
 import logging
@@ -20,38 +20,35 @@ from collections.abc import Sequence
 import torch
 
 from optimum.habana import hpu
-from optimum.habana.example_support import continuous_generation, distributed
-from optimum.habana.example_support.adapters import check_adapter_folder
-from optimum.habana.example_support.continuous_generation import tokenize_requests
-from optimum.habana.example_support.explain import explain
-from optimum.habana.example_support.failures import exit_on_interrupt_or_oom
-from optimum.habana.example_support.outputs import prepare_output_dir
-from optimum.habana.example_support.text_generation import (
-    KVCacheSupply,
-    apply_peft_adapter,
-    benchmark,
-    build_generation_config,
+from optimum.habana.cli.adapters import apply_peft_adapter, check_adapter_folder
+from optimum.habana.cli.common import exit_on_interrupt_or_oom, prepare_output_dir
+from optimum.habana.cli.generation import continuous_batching, multi_process
+from optimum.habana.cli.generation.arguments import (
     build_parser,
-    check_sequence_length,
-    decode_new_tokens,
-    environment_versions,
     flag_notes,
-    format_header,
-    format_stats,
-    format_texts,
-    generation_config_summary,
-    kv_cache_layout,
-    optimum_habana_results,
     parse_arguments,
+    resolve_execution,
+    usage_error,
+)
+from optimum.habana.cli.generation.continuous_batching import tokenize_requests
+from optimum.habana.cli.generation.explain import explain
+from optimum.habana.cli.generation.generation_config import KVCacheSupply, build_generation_config, kv_cache_layout
+from optimum.habana.cli.generation.prompts import (
+    check_sequence_length,
     prompt_pool,
     prompts_for_batch,
     render_prompts,
-    resolve_execution,
-    summarize_runs,
     tokenize_prompts,
-    usage_error,
+)
+from optimum.habana.cli.generation.report import (
+    decode_new_tokens,
+    format_header,
+    format_stats,
+    format_texts,
+    results_document,
     write_results,
 )
+from optimum.habana.cli.generation.timing import benchmark, summarize_runs
 from optimum.habana.utils.devices import memory_stats, model_size_bytes, reset_peak_memory, total_memory
 from optimum.habana.utils.distributed import launch_environment
 from optimum.habana.utils.model_loading import ModelResolutionError
@@ -59,7 +56,7 @@ from optimum.habana.utils.model_loading import ModelResolutionError
 
 def main(argv: Sequence[str] | None = None) -> int:
     launch = launch_environment()  # torchrun's RANK, WORLD_SIZE...: one process without a launcher
-    distributed.silence_other_ranks(launch)
+    multi_process.silence_other_ranks(launch)
     parser = build_parser()
     arguments = parse_arguments(parser, argv)
     workload, execution = arguments.workload, arguments.execution
@@ -73,7 +70,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     # Everything that can still be a bad input (device, model, adapter, prompts) is checked before generating.
     try:
-        distributed.validate_parallel_arguments(arguments.parallel, launch)
+        multi_process.validate_parallel_arguments(arguments.parallel, launch)
         if execution.continuous_batching and launch.is_distributed:
             raise ValueError("--continuous_batching runs in one process here: launch it without torchrun.")
         # Checked now: a folder that cannot be written would lose the results. Only rank 0 writes there.
@@ -87,9 +84,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         pool = prompt_pool(workload)
         for note in flag_notes(arguments, device, dtype):
             print(f"Note: {note}", file=sys.stderr)
-        run = distributed.start(arguments.parallel, device, launch)
+        run = multi_process.start(arguments.parallel, device, launch)
         device = run.device
-        loaded = distributed.load_model(arguments.model.model_name_or_path, dtype=dtype, run=run)
+        loaded = multi_process.load_model(arguments.model.model_name_or_path, dtype=dtype, run=run)
         model, tokenizer = loaded.model, loaded.tokenizer
         load_seconds = loaded.load_seconds
         max_positions = getattr(model.config, "max_position_embeddings", None)
@@ -110,7 +107,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         usage_error(parser, str(error))
 
     print(format_header(loaded.resolved.description, device, dtype, arguments), flush=True)
-    print(distributed.format_run(run), flush=True)
+    print(multi_process.format_run(run), flush=True)
     if workload.max_input_tokens > 0 and max(prompt_lengths) > workload.max_input_tokens:
         print(f"Note: prompts longer than {workload.max_input_tokens} tokens keep their last tokens.", file=sys.stderr)
     if (execution.torch_compile or execution.use_hpu_graphs) and execution.warmup == 0:
@@ -170,23 +167,29 @@ def main(argv: Sequence[str] | None = None) -> int:
         "gguf_converted": loaded.resolved.converted,
         "warmup_seconds": result.warmup_seconds,
         "compile_seconds": result.warmup_seconds if compiled and execution.warmup > 0 else None,
-        **distributed.rank_stats(run, memory, model_size),
+        **multi_process.rank_stats(run, memory, model_size),
     }
     print(format_texts(prompts, outputs))
     print(format_stats(stats, device), flush=True)
     if run.strategy != "none":
-        print(distributed.format_rank_stats(stats), flush=True)
+        print(multi_process.format_rank_stats(stats), flush=True)
 
     if arguments.output.output_dir and run.is_main:
         real_lengths = inputs["attention_mask"].sum(dim=1).tolist()
         full_texts = tokenizer.batch_decode(result.output.cpu(), skip_special_tokens=True)
-        results = {
-            **optimum_habana_results(stats, prompts, full_texts),
-            "arguments": arguments.as_dict(),
-            "versions": environment_versions(),
-            "device": device.type,
-            "dtype": str(dtype).removeprefix("torch."),
-            "model": {
+        results = results_document(
+            arguments,
+            stats,
+            prompts,
+            full_texts,
+            [
+                {"prompt": prompt, "output": output, "prompt_tokens": full, "input_tokens": real}
+                for prompt, output, full, real in zip(prompts, outputs, prompt_lengths, real_lengths, strict=True)
+            ],
+            device=device,
+            generation_config=generation_config,
+            dtype=str(dtype).removeprefix("torch."),
+            model={
                 "model_name_or_path": arguments.model.model_name_or_path,
                 "source": loaded.resolved.source,
                 "description": loaded.resolved.description,
@@ -194,23 +197,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "peft_model": arguments.model.peft_model,
                 "max_position_embeddings": getattr(model.config, "max_position_embeddings", None),
             },
-            "generation_config": generation_config_summary(generation_config),
-            "texts": [
-                {"prompt": prompt, "output": output, "prompt_tokens": full, "input_tokens": real}
-                for prompt, output, full, real in zip(prompts, outputs, prompt_lengths, real_lengths, strict=True)
-            ],
-            "stats": stats,
-        }
+        )
         path = write_results(arguments.output.output_dir, results)
         print(f"Results written to {path}")
-    distributed.finish(run)
+    multi_process.finish(run)
     return 0
 
 
 def generate_continuously(arguments, parser, model, tokenizer, requests, prompts, generation_config, device) -> int:
     """--continuous_batching: every prompt a request of one `generate_batch`, timed per request."""
     workload, execution = arguments.workload, arguments.execution
-    engine = continuous_generation.engine_config(
+    engine = continuous_batching.engine_config(
         [len(ids) for ids in requests], workload.max_new_tokens, execution.cb_max_batch_tokens
     )
     reset_peak_memory(device)
@@ -223,14 +220,14 @@ def generate_continuously(arguments, parser, model, tokenizer, requests, prompts
         ),
     ):
         for _ in range(execution.warmup):
-            continuous_generation.run_batch(model, requests, generation_config, engine, device)
+            continuous_batching.run_batch(model, requests, generation_config, engine, device)
         runs = [
-            continuous_generation.run_batch(model, requests, generation_config, engine, device)
+            continuous_batching.run_batch(model, requests, generation_config, engine, device)
             for _ in range(execution.n_iterations)
         ]
     memory = memory_stats(device)
     stats = {
-        **continuous_generation.summarize_batches(runs),
+        **continuous_batching.summarize_batches(runs),
         "max_memory_allocated_bytes": memory["max_allocated"],
         "paged_cache": {
             "page_size": engine.page_size,
@@ -240,22 +237,17 @@ def generate_continuously(arguments, parser, model, tokenizer, requests, prompts
     }
     outputs = tokenizer.batch_decode(runs[-1].generated, skip_special_tokens=True)
     print(format_texts(prompts, outputs))
-    print(continuous_generation.format_request_table(stats), flush=True)
+    print(continuous_batching.format_request_table(stats), flush=True)
     if arguments.output.output_dir:
-        ttfts = [request["time_to_first_token_seconds"] for request in stats["per_request"]]
-        results = {
-            "throughput": stats["throughput_tokens_per_second"],
-            "avg_first_token_latency": sum(ttfts) / len(ttfts),
-            "avg_e2e_latency": stats["generation_seconds"],
-            "input": list(prompts),
-            "output": [[prompt + output] for prompt, output in zip(prompts, outputs, strict=True)],
-            "arguments": arguments.as_dict(),
-            "versions": environment_versions(),
-            "device": device.type,
-            "generation_config": generation_config_summary(generation_config),
-            "texts": [{"prompt": prompt, "output": output} for prompt, output in zip(prompts, outputs, strict=True)],
-            "stats": stats,
-        }
+        results = results_document(
+            arguments,
+            stats,
+            prompts,
+            [prompt + output for prompt, output in zip(prompts, outputs, strict=True)],
+            [{"prompt": prompt, "output": output} for prompt, output in zip(prompts, outputs, strict=True)],
+            device=device,
+            generation_config=generation_config,
+        )
         print(f"Results written to {write_results(arguments.output.output_dir, results)}")
     return 0
 

@@ -8,7 +8,7 @@ Both shipped tasks run offline on the embedded SmolLM2-135M-Instruct; in fp32 th
 Optimum-Habana's command line (-o, --tasks, -L, -f, --buckets, ...) and every run_generation.py model, attention
 and device flag are accepted; the output file holds lm-eval's results plus `args` and `duration`, as upstream.
 `--help` lists every argument; docs/lm_eval.md explains them. The reusable pieces live in
-`optimum.habana.example_support` (lm_eval_arguments, lm_eval_model, lm_eval_setup).
+`optimum.habana.cli.evaluation.lm_eval` (arguments, model, harness).
 """
 
 import sys
@@ -20,11 +20,9 @@ import torch
 from lm_eval import evaluator
 
 from optimum.habana import hpu
-from optimum.habana.example_support import distributed
-from optimum.habana.example_support.adapters import check_adapter_folder
-from optimum.habana.example_support.explain import explain
-from optimum.habana.example_support.failures import exit_on_interrupt_or_oom
-from optimum.habana.example_support.lm_eval_arguments import (
+from optimum.habana.cli.adapters import apply_peft_adapter, check_adapter_folder
+from optimum.habana.cli.common import exit_on_interrupt_or_oom
+from optimum.habana.cli.evaluation.lm_eval.arguments import (
     build_parser,
     check_output_file,
     evaluation_buckets,
@@ -33,12 +31,7 @@ from optimum.habana.example_support.lm_eval_arguments import (
     parse_arguments,
     parse_metadata,
 )
-from optimum.habana.example_support.lm_eval_model import (
-    LM_EVAL_MAX_GEN_TOKS,
-    EvalOptions,
-    GaudiEvalLM,
-)
-from optimum.habana.example_support.lm_eval_setup import (
+from optimum.habana.cli.evaluation.lm_eval.harness import (
     TaskDataError,
     check_task_data,
     configure_lm_eval_logging,
@@ -46,13 +39,12 @@ from optimum.habana.example_support.lm_eval_setup import (
     summary_tables,
     write_results,
 )
-from optimum.habana.example_support.text_generation import (
-    apply_peft_adapter,
-    format_bytes,
-    kv_cache_layout,
-    resolve_execution,
-    usage_error,
-)
+from optimum.habana.cli.evaluation.lm_eval.model import LM_EVAL_MAX_GEN_TOKS, EvalOptions, GaudiEvalLM
+from optimum.habana.cli.generation import multi_process
+from optimum.habana.cli.generation.arguments import resolve_execution, usage_error
+from optimum.habana.cli.generation.explain import explain
+from optimum.habana.cli.generation.generation_config import kv_cache_layout
+from optimum.habana.cli.generation.report import format_bytes
 from optimum.habana.utils.devices import memory_stats, reset_peak_memory
 from optimum.habana.utils.distributed import launch_environment
 from optimum.habana.utils.model_loading import ModelResolutionError
@@ -60,7 +52,7 @@ from optimum.habana.utils.model_loading import ModelResolutionError
 
 def main(argv: Sequence[str] | None = None) -> int:
     launch = launch_environment()  # torchrun's RANK, WORLD_SIZE...: one process without a launcher
-    distributed.silence_other_ranks(launch)
+    multi_process.silence_other_ranks(launch)
     parser = build_parser()
     arguments, given = parse_arguments(parser, argv)
     script, evaluation = arguments.script, arguments.evaluation
@@ -79,7 +71,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     # Everything that can still be a bad input (device, tasks and their data, model, adapter) is checked first.
     try:
-        distributed.validate_parallel_arguments(script.parallel, launch)
+        multi_process.validate_parallel_arguments(script.parallel, launch)
         output_path = check_output_file(evaluation.output_file, evaluation.overwrite)
         if script.model.peft_model:  # the adapter's files, before the model loads; its fit to the model after
             check_adapter_folder(script.model.peft_model, "--peft_model")
@@ -88,9 +80,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         check_task_data(selection)
         for note in evaluation_notes(arguments, given, device, dtype):
             print(f"Note: {note}", file=sys.stderr)
-        run = distributed.start(script.parallel, device, launch)
+        run = multi_process.start(script.parallel, device, launch)
         device = run.device
-        loaded = distributed.load_model(script.model.model_name_or_path, dtype=dtype, run=run)
+        loaded = multi_process.load_model(script.model.model_name_or_path, dtype=dtype, run=run)
         model = loaded.model
         if script.model.peft_model:
             model = apply_peft_adapter(model, script.model.peft_model)
@@ -166,7 +158,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"Results written to {path}")
         if evaluation.show_config:
             print(path.read_text(encoding="utf-8"))
-    distributed.finish(run)
+    multi_process.finish(run)
     return 0
 
 

@@ -1,0 +1,149 @@
+"""The models the flash-attention benchmark runs: checkpoints, synthetic presets, stock transformers, and the floor.
+
+A synthetic preset has the attention geometry of a real model (hidden size, heads, key/value heads, head size,
+RoPE base) with random weights, a configurable number of layers and a reduced MLP, so that long sequences fit a
+small machine while every attention call has the real shape. Its label says so in every table.
+
+The floor is the same model with each attention call replaced by a pass-through of V and no mask at all: what
+the rest of the forward costs, which no attention implementation can go below.
+"""
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+from transformers.masking_utils import AttentionMaskInterface
+
+from optimum.habana.transformers.models import gaudi_model_class
+from optimum.habana.utils.model_loading import DEFAULT_MODEL_NAME, resolve_model
+
+
+FLOOR_ATTENTION = "benchmark_floor"
+
+
+# Every path a benchmark row can run; "default" and "flash" are this library's, "eager"/"sdpa" stock transformers'.
+PATHS = ("default", "flash", "eager", "sdpa", "floor")
+
+
+@dataclass(frozen=True)
+class Preset:
+    """Attention geometry of a real model; `source` names it in the label."""
+
+    source: str
+    hidden_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    rope_theta: float
+
+
+PRESETS = {
+    "llama2-7b-attn": Preset("Llama-2-7B", 4096, 32, 32, 10000.0),
+    "llama3-8b-attn": Preset("Llama-3-8B", 4096, 32, 8, 500000.0),
+    "smollm2-attn": Preset("SmolLM2-135M", 576, 9, 3, 100000.0),
+}
+
+
+PRESET_VOCAB_SIZE = 32000  # Llama-2's; generate() computes the logits of the last position only
+
+
+PRESET_MAX_POSITIONS = 131072
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What a benchmark row names in its Model column, and how a worker builds it."""
+
+    name: str  # a preset name, DEFAULT_MODEL_NAME or anything --model_name_or_path accepts
+    preset_layers: int = 1
+    preset_intermediate_size: int = 2048
+
+    @property
+    def is_preset(self) -> bool:
+        return self.name in PRESETS
+
+    @property
+    def label(self) -> str:
+        if not self.is_preset:
+            return self.name
+        preset = PRESETS[self.name]
+        return (
+            f"{self.name} (synthetic: {preset.source} attention, {self.preset_layers} layer"
+            f"{'s' if self.preset_layers > 1 else ''}, MLP {self.preset_intermediate_size}, random weights)"
+        )
+
+
+def preset_config(spec: ModelSpec) -> LlamaConfig:
+    preset = PRESETS[spec.name]
+    return LlamaConfig(
+        vocab_size=PRESET_VOCAB_SIZE,
+        hidden_size=preset.hidden_size,
+        intermediate_size=spec.preset_intermediate_size,
+        num_hidden_layers=spec.preset_layers,
+        num_attention_heads=preset.num_attention_heads,
+        num_key_value_heads=preset.num_key_value_heads,
+        head_dim=preset.hidden_size // preset.num_attention_heads,
+        max_position_embeddings=PRESET_MAX_POSITIONS,
+        rope_parameters={"rope_type": "default", "rope_theta": preset.rope_theta},
+        tie_word_embeddings=True,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+
+
+def checkpoint_path(name: str) -> Any:
+    """The loadable folder for a non-preset model name; DEFAULT_MODEL_NAME is the embedded SmolLM2."""
+    return resolve_model(None if name == DEFAULT_MODEL_NAME else name).path
+
+
+def build_model(spec: ModelSpec, path: str, dtype: torch.dtype, seed: int) -> nn.Module:
+    """The model a path runs: the Gaudi class ("default"/"flash"), stock transformers ("eager"/"sdpa"), the floor.
+
+    Presets are initialised from `seed`, so every path of a row runs the same weights.
+    """
+    stock_attention = {"eager": "eager", "sdpa": "sdpa", "floor": FLOOR_ATTENTION}.get(path)
+    if spec.is_preset:
+        config = preset_config(spec)
+        torch.manual_seed(seed)
+        if stock_attention is None:
+            model = gaudi_model_class("llama")(config)
+        else:
+            config._attn_implementation = stock_attention
+            model = LlamaForCausalLM(config)
+        return model.to(dtype)
+    folder = checkpoint_path(spec.name)
+    if stock_attention is None:
+        model_type = AutoConfig.from_pretrained(folder).model_type
+        return gaudi_model_class(model_type).from_pretrained(folder, dtype=dtype)
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation=stock_attention)
+
+
+def floor_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """No attention at all: each query position gets the V row of its own position (heads repeated for GQA).
+
+    One copy, the `[B, q, H, D]` output every attention function returns; nothing else is allocated.
+    """
+    batch, heads, q_len, head_dim = query.shape
+    own = value[:, :, -q_len:].transpose(1, 2).unsqueeze(3)  # [B, q, Hkv, 1, D], a view
+    groups = heads // value.shape[1]
+    return own.expand(batch, q_len, value.shape[1], groups, head_dim).reshape(batch, q_len, heads, head_dim), None
+
+
+def no_mask(*args: Any, **kwargs: Any) -> None:
+    """The floor builds no mask: any mask is attention work."""
+    return None
+
+
+AttentionInterface.register(FLOOR_ATTENTION, floor_attention)
+
+
+AttentionMaskInterface.register(FLOOR_ATTENTION, no_mask)

@@ -1,0 +1,233 @@
+"""What every example script shares: the attention flags as arguments, the checks of numbers, Ctrl-C and out of
+memory as one line, the output folder, and the versions and hardware a result was measured on.
+
+`exit_on_interrupt_or_oom` wraps the part of a script that loads, trains or generates. The script says what to
+report (the phase, the batch and lengths that ran out of memory, what was kept) and what to clean up (partial
+files); the exit status is 130 for Ctrl-C, as shells use for SIGINT, and 1 for out of memory.
+"""
+
+import contextlib
+import logging
+import math
+import os
+import platform
+import signal
+import sys
+import tempfile
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import field, fields, is_dataclass, make_dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+
+from optimum.habana.transformers.attention_flags import AttentionFlags
+from optimum.habana.utils.staging import remove_stale_staging
+from optimum.habana.version import __version__
+
+
+logger = logging.getLogger(__name__)
+
+
+def _attention_flags(self) -> AttentionFlags:
+    """The validated flags; a ValueError names the offending combination."""
+    return AttentionFlags(**{flag.name: getattr(self, flag.name) for flag in fields(AttentionFlags)})
+
+
+# One command-line switch per attention flag (`--use_flash_attention`, or `--use_flash_attention True`), with the
+# flag's own default and help text: adding a flag to AttentionFlags adds it here.
+AttentionArguments = make_dataclass(
+    "AttentionArguments",
+    [
+        (flag.name, flag.type, field(default=flag.default, metadata={"help": flag.metadata["help"]}))
+        for flag in fields(AttentionFlags)
+    ],
+    namespace={"_argument_group_name": "flash attention", "attention_flags": _attention_flags},
+)
+
+
+AttentionArguments.__module__ = __name__
+AttentionArguments.__doc__ = "The attention flags, one command-line switch each."
+
+
+# Long English prose written for this project (Apache-2.0), about 11,000 tokens: run_generation.py --book_source, the
+# fidelity table's text, the lm-eval essay task, the continuous-batching benchmark's requests.
+LONG_PROMPT_PATH = Path(__file__).parent / "data" / "long_prompt.txt"
+# numpy's global generator, which transformers' set_seed seeds too, takes seeds in [0, 2**32).
+SEED_RANGE = range(2**32)
+
+
+def check_finite_numbers(*arguments: object) -> None:
+    """Refuse nan and inf in any float argument of the given dataclasses or argparse namespaces.
+
+    Python's float() parses "nan" and "inf", so argparse and HfArgumentParser let them through; a nan learning rate
+    or LoRA alpha then trains a nan model without a word. Call it right after parsing, before anything is loaded.
+    Raises ValueError naming the flag (`--field_name`) and the value.
+    """
+    for argument in arguments:
+        for name, value in _argument_values(argument):
+            values = value if isinstance(value, (list, tuple)) else [value]
+            for item in values:
+                if isinstance(item, float) and not math.isfinite(item):
+                    raise ValueError(f"--{name} must be a finite number, got {item}.")
+
+
+def check_seed(value: int | None, flag: str = "--seed") -> None:
+    """Refuse a seed outside [0, 2**32), which numpy rejects with a traceback only once training starts."""
+    if value is not None and value not in SEED_RANGE:
+        raise ValueError(f"{flag} must be in [0, {SEED_RANGE.stop - 1}], got {value}.")
+
+
+def _argument_values(argument: object) -> list[tuple[str, object]]:
+    """(name, value) of a dataclass's init fields or of a namespace's attributes."""
+    if is_dataclass(argument) and not isinstance(argument, type):
+        return [(item.name, getattr(argument, item.name)) for item in fields(argument) if item.init]
+    return list(vars(argument).items())
+
+
+EXIT_FAILURE = 1
+EXIT_INTERRUPTED = 130
+# How the devices word an allocation failure: CUDA and HPU raise RuntimeErrors, the CPU allocator too (RLIMIT_AS).
+_OUT_OF_MEMORY_WORDS = (
+    "out of memory",
+    "can't allocate memory",
+    "cannot allocate memory",
+    "allocation failed",
+    "failed to allocate",
+)
+GB = 1024**3
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """Whether `error` says that a device (or the host) ran out of memory."""
+    if isinstance(error, (MemoryError, torch.OutOfMemoryError)):
+        return True
+    return isinstance(error, RuntimeError) and any(words in str(error).lower() for words in _OUT_OF_MEMORY_WORDS)
+
+
+@contextlib.contextmanager
+def exit_on_interrupt_or_oom(
+    prog: str,
+    *,
+    on_interrupt: Callable[[], str],
+    on_out_of_memory: Callable[[BaseException], str],
+    cleanup: Callable[[], None] | None = None,
+) -> Iterator[None]:
+    """Turn Ctrl-C into `prog: interrupted: <on_interrupt()>` and exit 130, and running out of memory into
+    `prog: error: <on_out_of_memory(error)>` and exit 1; `cleanup` runs first (removing partial files), with a
+    second Ctrl-C ignored so that it finishes. Any other exception passes through unchanged.
+    """
+    try:
+        yield
+    except KeyboardInterrupt:
+        _clean(cleanup)
+        _exit(EXIT_INTERRUPTED, f"{prog}: interrupted: {on_interrupt()}")
+    except (MemoryError, RuntimeError) as error:
+        if not is_out_of_memory(error):
+            raise
+        error.__traceback__ = None  # let the tensors of the failed step go before cleaning up
+        _clean(cleanup)
+        _exit(EXIT_FAILURE, f"{prog}: error: {on_out_of_memory(error)}")
+
+
+def _clean(cleanup: Callable[[], None] | None) -> None:
+    if cleanup is None:
+        return
+    in_main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if in_main_thread else None
+    try:
+        cleanup()
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
+
+
+def _exit(status: int, line: str) -> None:
+    sys.stderr.write(line.replace("\n", " ") + "\n")
+    sys.stderr.flush()
+    raise SystemExit(status)
+
+
+def hardware() -> dict[str, Any]:
+    """The machine a result was measured on, for the result files."""
+    cpu = platform.processor() or platform.machine()
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    memory = meminfo_bytes("MemTotal")
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "memory_gb": None if memory is None else round(memory / GB, 1),
+        "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+    }
+
+
+def meminfo_bytes(field_name: str) -> int | None:
+    meminfo = Path("/proc/meminfo")
+    if not meminfo.exists():
+        return None
+    for line in meminfo.read_text().splitlines():
+        if line.startswith(f"{field_name}:"):
+            return int(line.split()[1]) * 1024
+    return None
+
+
+# Staging folders of a run's final files, inside its output folder (see `optimum.habana.utils.staging`).
+STAGING_PREFIX = ".staging-"
+
+
+class OutputDirError(ValueError):
+    """An output folder or checkpoint that cannot be used as asked; the message names the flag and what to do."""
+
+
+def prepare_output_dir(output_dir: str, *, overwrite: bool, resuming: bool) -> Path:
+    """Create `output_dir` if needed and check that it can be written and may be written to.
+
+    A folder that holds anything (other than staging folders of killed runs) is refused unless the user said
+    `--overwrite_output_dir` or `--resume_from_checkpoint`: an earlier run's adapter is never replaced silently.
+    """
+    path = writable_folder(output_dir)
+    for stale in remove_stale_staging(path, STAGING_PREFIX):
+        logger.info("Removed %s, left by a killed run.", stale)
+    contents = sorted(entry.name for entry in path.iterdir() if not entry.name.startswith(STAGING_PREFIX))
+    if contents and not (overwrite or resuming):
+        listed = ", ".join(contents[:5]) + (f" and {len(contents) - 5} more" if len(contents) > 5 else "")
+        raise OutputDirError(
+            f"--output_dir {output_dir!r} is not empty ({listed}): refusing to overwrite an earlier run. Pass "
+            "--overwrite_output_dir to replace its files, --resume_from_checkpoint True to continue from its last "
+            "checkpoint, or another --output_dir."
+        )
+    return path
+
+
+def writable_folder(output_dir: str, flag: str = "--output_dir") -> Path:
+    """Create the folder if needed and prove it can be written (a temporary file), before any work goes into it."""
+    path = Path(output_dir).expanduser()
+    if path.exists() and not path.is_dir():
+        raise OutputDirError(f"{flag} {output_dir!r} is a file, not a folder; pass a folder.")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as error:
+        raise OutputDirError(
+            f"{flag} {output_dir!r} cannot be written ({error.strerror or error}); pass a folder you can write to."
+        ) from None
+    return path
+
+
+def environment_versions() -> dict[str, str]:
+    """The versions a result was measured with, for the result files."""
+    return {
+        "optimum-gaudi-flash": __version__,
+        "transformers": transformers.__version__,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+    }

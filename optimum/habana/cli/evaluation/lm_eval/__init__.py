@@ -1,0 +1,3 @@
+"""`examples/text-generation/run_lm_eval.py`: lm-evaluation-harness on the Gaudi classes, and its shipped offline
+tasks (`tasks/`).
+"""

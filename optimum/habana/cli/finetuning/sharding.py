@@ -1,0 +1,153 @@
+"""DeepSpeed, FSDP and data-parallel launches of Optimum-Habana's fine-tuning command lines, for run_lora_clm.py.
+
+Both are the Trainer's own (accelerate's FSDP, DeepSpeed's engine); this module checks them before anything loads,
+so that a command line written for Gaudi either trains or stops with one line:
+
+- `--deepspeed CONFIG` needs DeepSpeed installed: without it, one line says so (the Trainer would end in a
+  PackageNotFoundError traceback). Launched as one process, DeepSpeed gets the one-process group it needs (it
+  would otherwise look for MPI), and one line says that nothing is sharded.
+- `--fsdp` shards the model over the processes of a `torchrun` launch. Launched as one process (Optimum-Habana's
+  launcher prefix removed) there is nothing to shard: one line says so and the run trains unsharded.
+- `--fsdp_config` must be a readable JSON file, and its `transformer_layer_cls_to_wrap` names Optimum-Habana's
+  classes (`GaudiLlamaDecoderLayer`); the decoder layers here are transformers' own (`LlamaDecoderLayer`), so such a
+  name is read as that class, with one line.
+"""
+
+import importlib.util
+import json
+import os
+import socket
+from pathlib import Path
+from typing import Any
+
+from optimum.habana.utils import distributed
+from optimum.habana.utils.distributed import LaunchEnvironment
+
+
+def data_parallel_launch_problem(use_cpu: bool, launch: LaunchEnvironment) -> str | None:
+    """Why the Trainer would not train data parallel over the processes launched, or None.
+
+    On a machine without accelerator, accelerate starts the process group but trains data parallel only with
+    --use_cpu: without it every process would train alone, on the same data.
+    """
+    if launch.is_distributed and distributed.accelerator_type() == "cpu" and not use_cpu:
+        return (
+            f"{launch.world_size} processes on a machine without accelerator: add --use_cpu, so that the Trainer "
+            "(accelerate) trains data parallel over them on the CPU."
+        )
+    return None
+
+
+SHARDING_OPTIONS = ("--fsdp", "--fsdp_config")
+
+
+def option_value(argv: list[str], option: str) -> str | None:
+    """The value given to `option` (`--option value` or `--option=value`), or None when absent."""
+    for index, token in enumerate(argv):
+        if token == option and index + 1 < len(argv):
+            return argv[index + 1]
+        if token.startswith(f"{option}="):
+            return token.split("=", 1)[1]
+    return None
+
+
+def check_json_file(option: str, value: str) -> None:
+    path = Path(value).expanduser()
+    if not path.is_file():
+        raise ValueError(f"{option} {value!r} is not a file; pass the path of its JSON config.")
+    try:
+        json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(f"{option} {value!r} is not valid JSON ({error}).") from None
+
+
+def prepare_sharding_arguments(argv: list[str], launch: LaunchEnvironment) -> tuple[list[str], list[str]]:
+    """`argv` as the Trainer should get it, and the lines saying what the sharding options do here.
+
+    A ValueError names the option that cannot work.
+    """
+    notes: list[str] = []
+    deepspeed = option_value(argv, "--deepspeed")
+    if deepspeed is not None:
+        if importlib.util.find_spec("deepspeed") is None:
+            raise ValueError(
+                f"--deepspeed {deepspeed}: DeepSpeed is not installed here (pip install deepspeed). Drop --deepspeed "
+                "to train without it: one process, or data parallel under torchrun --nproc-per-node N."
+            )
+        check_json_file("--deepspeed", deepspeed)
+        if not launch.is_distributed:
+            start_one_process_group()
+            notes.append(
+                f"--deepspeed {deepspeed}: one process here: DeepSpeed's engine runs on a one-process group and "
+                "shards nothing. Launch with torchrun --nproc-per-node N (or deepspeed) to shard over N processes."
+            )
+    fsdp = option_value(argv, "--fsdp")
+    fsdp_config = option_value(argv, "--fsdp_config")
+    if fsdp_config is not None:
+        check_json_file("--fsdp_config", fsdp_config)
+    if fsdp is not None and not launch.is_distributed:
+        notes.append(
+            f"--fsdp {fsdp}: one process here, so there is nothing to shard: training runs unsharded. Launch with "
+            "torchrun --nproc-per-node N to shard the model with FSDP."
+        )
+        argv = without_options(argv, SHARDING_OPTIONS)
+    return argv, notes
+
+
+def start_one_process_group() -> None:
+    """The variables torchrun would set for one process, so that DeepSpeed starts its group without MPI."""
+    with socket.socket() as probe:  # a free port on this machine
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    defaults = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0", "LOCAL_RANK": "0"}
+    for name, value in {**defaults, "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"}.items():
+        os.environ.setdefault(name, value)
+
+
+def without_options(argv: list[str], options: tuple[str, ...]) -> list[str]:
+    """`argv` less each of `options` and its value."""
+    kept, skip = [], False
+    for token in argv:
+        if skip:
+            skip = False
+            continue
+        if token in options:
+            skip = True
+            continue
+        if any(token.startswith(f"{option}=") for option in options):
+            continue
+        kept.append(token)
+    return kept
+
+
+def match_wrap_classes(training_args: Any, model: Any) -> list[str]:
+    """Point FSDP's `transformer_layer_cls_to_wrap` at this model's classes; returns the lines saying what changed.
+
+    A name that is neither a class of the model nor Optimum-Habana's `Gaudi` name of one is a ValueError listing
+    the model's decoder layer classes (accelerate would stop at the first step with "Could not find").
+    """
+    if not training_args.fsdp:
+        return []
+    names = training_args.fsdp_config.get("transformer_layer_cls_to_wrap")
+    if not names:
+        return []
+    classes = {type(module).__name__ for module in model.modules()}
+    matched, notes = [], []
+    for name in names:
+        if name in classes:
+            matched.append(name)
+        elif name.startswith("Gaudi") and name.removeprefix("Gaudi") in classes:
+            matched.append(name.removeprefix("Gaudi"))
+            notes.append(
+                f"--fsdp_config transformer_layer_cls_to_wrap {name}: the decoder layers here are transformers' "
+                f"{name.removeprefix('Gaudi')}; wrapping those."
+            )
+        else:
+            layers = sorted(name for name in classes if name.endswith("DecoderLayer"))
+            raise ValueError(
+                f"--fsdp_config transformer_layer_cls_to_wrap {name}: the model has no such class; its decoder "
+                f"layers are {', '.join(layers)}."
+            )
+    training_args.fsdp_config["transformer_layer_cls_to_wrap"] = matched
+    training_args.fsdp_plugin_args["transformer_cls_names_to_wrap"] = ",".join(matched)
+    return notes

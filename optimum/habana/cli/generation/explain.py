@@ -1,0 +1,307 @@
+"""`run_generation.py --explain`: what a command line does on this device, said before anything runs.
+
+It reads the model's config and tokenizer (a .gguf's metadata, never its tensors), builds the model on the meta
+device (no memory, no weights) to read each attention layer's scale, window and soft-capping, tokenizes the prompts
+to know the padding, and prints for the prompt's forward and for the decode steps which path every attention call
+takes, with the kernel's arguments, the KV cache layout, and the effect of every flag here. The decisions mirror
+`optimum.habana.transformers.attention` and transformers' mask skipping; tests run the same command lines and
+compare this account with the kernel calls that happen.
+"""
+
+import dataclasses
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoTokenizer
+
+from optimum.habana.cli.adapters import check_adapter_folder, check_adapter_matches
+from optimum.habana.transformers.attention_flags import AttentionFlags
+from optimum.habana.transformers.cache import bucketed_length
+from optimum.habana.transformers.modeling_utils import padding_mask_is_all_it_needs
+from optimum.habana.transformers.models import GAUDI_CAUSAL_LM_CLASSES, supported_model_types
+from optimum.habana.utils.model_loading import ModelResolutionError, check_gguf_file, default_gguf_path, resolve_model
+
+from .arguments import ExecutionArguments, ScriptArguments, WorkloadArguments, flag_notes, resolve_execution
+from .generation_config import kv_cache_layout
+from .prompts import check_sequence_length, prompt_pool, prompts_for_batch, render_prompts, tokenize_prompts
+
+
+@dataclass(frozen=True)
+class LayerGroup:
+    """Attention layers that take the same decisions: same window, soft-capping and scale."""
+
+    indices: tuple[int, ...]
+    sliding_window: int | None
+    softcap: float | None
+    scaling: float
+
+
+@dataclass(frozen=True)
+class Phase:
+    name: str  # "prefill" or "decode"
+    q_len: int
+    kv_lengths: tuple[int, int]  # first and last key length of the phase
+    padded: bool
+    from_empty_cache: bool = False  # the whole sequence each call: no cache, or the prompt's forward
+
+
+def explain(arguments: ScriptArguments) -> str:
+    """The account printed by --explain; a ValueError names a bad input, as a real run would."""
+    device, dtype = resolve_execution(arguments)
+    workload = arguments.workload
+    config, tokenizer, description = read_config_and_tokenizer(arguments.model.model_name_or_path)
+    model_class = GAUDI_CAUSAL_LM_CLASSES.get(config.model_type)
+    if model_class is None:
+        raise ModelResolutionError(
+            f"{description} is a {config.model_type!r} model, which has no Gaudi class; supported model types: "
+            f"{', '.join(supported_model_types())}."
+        )
+    model = meta_model(model_class, config)
+    adapter = arguments.model.peft_model
+    if adapter:  # the checks of a real run, against the model built on the meta device
+        adapter_config = check_adapter_folder(adapter, "--peft_model")
+        check_adapter_matches(adapter, model, "--peft_model")
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    prompts = prompts_for_batch(prompt_pool(workload), workload.batch_size)
+    inputs, _ = tokenize_prompts(
+        tokenizer, render_prompts(tokenizer, prompts, workload.chat), workload.max_input_tokens, workload.chat
+    )
+    input_length = inputs["input_ids"].shape[1]
+    max_positions = getattr(config, "max_position_embeddings", None)
+    check_sequence_length(input_length, workload.max_new_tokens, max_positions, fixed=workload.max_input_tokens > 0)
+    padded = bool((inputs["attention_mask"] == 0).any())
+    layout = kv_cache_layout(arguments, device)
+    max_cache_len = input_length + workload.max_new_tokens
+    flags = arguments.attention.attention_flags()
+    groups = attention_layer_groups(model)
+    rows = max(workload.num_beams, 1) * workload.batch_size
+
+    lines = [
+        f"Explain (nothing runs; config and tokenizer only): {description}",
+        f"Model: {model_class.__name__}, {sum(len(group.indices) for group in groups)} attention layers, "
+        f"max positions {max_positions}",
+        f"Device: {device.type}, dtype: {str(dtype).removeprefix('torch.')}",
+        f"Prompt: {rows} row(s) of {input_length} tokens, "
+        + ("padded on the left" if padded else "no padding")
+        + f"; up to {workload.max_new_tokens} new tokens",
+        f"KV cache: {layout.describe(max_cache_len)}",
+    ]
+    if adapter:
+        kept = adapter_config["peft_type"] == "ADAPTION_PROMPT"  # cannot be merged into weights
+        lines.append(
+            f"Adapter: {adapter} ({adapter_config['peft_type']}, fits the model), "
+            + (
+                "kept in its attention layers (an adaption prompt cannot be merged): each layer's attention call "
+                "below is followed by the adapter's small attention over its prompt tokens"
+                if kept
+                else "merged into the weights before generating: the attention calls are the base model's"
+            )
+        )
+    lines += ["", "Attention calls:"]
+    for phase in phases(layout.kind, input_length, workload.max_new_tokens, padded, max_cache_len, layout):
+        lines.append(
+            f"  {phase.name} (q={phase.q_len}, kv={format_range(phase.kv_lengths)}"
+            f"{', padded rows' if phase.padded else ''}):"
+        )
+        for group in groups:
+            account = call_account(flags, group, phase, device, padding_mask_is_all_it_needs(config))
+            lines.append(f"    layers {format_indices(group.indices)}: {account}")
+    lines += ["", "Flags:"]
+    lines += [f"  {line}" for line in flag_accounts(arguments, device, layout.kind)]
+    notes = flag_notes(arguments, device, dtype)
+    if notes:
+        lines += ["", "Notes (printed by a real run too):"]
+        lines += [f"  {note}" for note in notes]
+    return "\n".join(lines)
+
+
+def read_config_and_tokenizer(model_name_or_path: str | None):
+    """Config, tokenizer and a description, without loading or converting weights (a .gguf: its metadata only)."""
+    gguf = default_gguf_path() if model_name_or_path is None else Path(model_name_or_path).expanduser()
+    if gguf.suffix.lower() == ".gguf" and gguf.is_file():
+        check_gguf_file(gguf)  # a damaged file or another architecture is refused in the words of a real run
+        try:
+            config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+            tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        except (ValueError, KeyError, IndexError, OSError, struct.error) as error:
+            detail = (str(error).strip().splitlines() or [""])[0]
+            raise ModelResolutionError(
+                f"The GGUF file {str(gguf)!r} cannot be read ({type(error).__name__}: {detail}); it is damaged or "
+                "truncated, or not a GGUF model file."
+            ) from None
+        return config, tokenizer, f"{gguf.name} (GGUF metadata)"
+    resolved = resolve_model(model_name_or_path)
+    return (
+        AutoConfig.from_pretrained(resolved.path),
+        AutoTokenizer.from_pretrained(resolved.path),
+        resolved.description,
+    )
+
+
+def meta_model(model_class: type, config) -> torch.nn.Module:
+    """The model's modules and shapes, with no memory and no weights."""
+    with torch.device("meta"):
+        return model_class(config)
+
+
+def attention_layer_groups(model: torch.nn.Module) -> list[LayerGroup]:
+    """Each attention layer's window, soft-capping and scale, read from the model built on the meta device."""
+    by_settings: dict[tuple, list[int]] = {}
+    attention_modules = [module for module in model.modules() if hasattr(module, "scaling")]
+    for index, module in enumerate(attention_modules):
+        settings = (
+            getattr(module, "sliding_window", None),
+            getattr(module, "attn_logit_softcapping", None),
+            float(module.scaling),
+        )
+        by_settings.setdefault(settings, []).append(index)
+    return [LayerGroup(tuple(indices), *settings) for settings, indices in by_settings.items()]
+
+
+def phases(
+    cache_kind: str, input_length: int, max_new_tokens: int, padded: bool, max_cache_len: int, layout
+) -> list[Phase]:
+    """The prompt's forward and the decode steps, with the key lengths the attention sees."""
+    if cache_kind in ("dynamic", "none"):
+        prefill_kv = (input_length, input_length)
+    elif cache_kind == "bucketed":
+        bucket = layout.bucket_size
+        prefill_kv = (bucketed_length(input_length, bucket, max_cache_len),) * 2
+    else:
+        prefill_kv = (max_cache_len, max_cache_len)
+    result = [Phase("prefill", input_length, prefill_kv, padded, from_empty_cache=True)]
+    if max_new_tokens > 1:
+        first, last = input_length + 1, input_length + max_new_tokens - 1
+        if cache_kind == "none":
+            result.append(Phase("decode, whole sequence each step", first, (first, last), padded, True))
+            return result
+        if cache_kind == "dynamic":
+            decode_kv = (first, last)
+        elif cache_kind == "bucketed":
+            decode_kv = (
+                bucketed_length(first, layout.bucket_size, max_cache_len),
+                bucketed_length(last, layout.bucket_size, max_cache_len),
+            )
+        else:
+            decode_kv = (max_cache_len, max_cache_len)
+        result.append(Phase("decode", 1, decode_kv, padded))
+    return result
+
+
+def mask_is_skipped(group: LayerGroup, phase: Phase) -> bool:
+    """transformers passes no mask when causality alone is exact (masking_utils._ignore_causal_mask_sdpa)."""
+    if phase.padded:
+        return False
+    if group.sliding_window is not None and phase.kv_lengths[1] >= group.sliding_window:
+        return False
+    if phase.name != "prefill" and phase.from_empty_cache:
+        return True  # each step reads the whole sequence: as many keys as queries
+    return phase.q_len == 1 or phase.kv_lengths == (phase.q_len, phase.q_len)
+
+
+def call_account(
+    flags: AttentionFlags, group: LayerGroup, phase: Phase, device: torch.device, model_mask_free: bool
+) -> str:
+    """The path of this group's calls in this phase, and the arguments the kernel gets."""
+    is_prefill = phase.q_len > 1
+    mask_skipped = mask_is_skipped(group, phase)
+    mask = "None" if mask_skipped else f"boolean [rows, 1, {phase.q_len}, kv]"
+    if not flags.use_flash_attention or group.softcap is not None:
+        softmax = "model dtype" if flags.attn_softmax_bf16 else "float32"
+        why = ""
+        if flags.use_flash_attention:
+            why = f" (soft-capped logits, softcap={group.softcap}: no fused kernel computes them; one warning)"
+        causal = ", causal" if mask_skipped and is_prefill else ""
+        return f"default path{why}: matmul-softmax, softmax in {softmax}, mask {mask}{causal}, scale {group.scaling:g}"
+    # The model's forward hands valid lengths to a prefill from an empty dynamic cache (a static one gets a 4-D
+    # mask from generate()); without the causal-mask mode only where no layer needs more than padding and the
+    # device's kernel does not read the mask (GaudiAttentionMixin.forward).
+    no_cache_step = phase.name != "prefill"  # without a KV cache every step is a prefill from empty
+    dynamic_prefill = (
+        is_prefill and phase.from_empty_cache and (no_cache_step or phase.kv_lengths == (phase.q_len, phase.q_len))
+    )
+    mask_free = (
+        phase.padded and model_mask_free and not (device.type == "hpu" and not flags.flash_attention_causal_mask)
+    )
+    valid_lengths = dynamic_prefill and (flags.flash_attention_causal_mask or mask_free)
+    window_kept = valid_lengths and group.sliding_window is not None and phase.q_len > group.sliding_window
+    if window_kept:
+        valid_lengths = False
+    if valid_lengths:
+        arguments = "attn_mask=None, is_causal=True, valid lengths per row"
+        if mask_free:
+            arguments += " (no padding mask is built)"
+        if device.type != "hpu" and phase.padded:
+            arguments += " (left padding rotated to the right: one causal kernel call)"
+    elif mask_skipped and is_prefill:
+        arguments = "attn_mask=None, is_causal=True"
+    else:
+        arguments = f"attn_mask={mask}" + (" (additive)" if device.type == "hpu" else "") + ", is_causal=False"
+    softmax_mode = "fast" if flags.flash_attention_fast_softmax and is_prefill else "None"
+    recompute = flags.flash_attention_recompute and is_prefill
+    account = (
+        f"fused kernel, {kernel_name(device)}: {arguments}, scale={group.scaling:g}, softmax_mode={softmax_mode}, "
+        f"recompute={recompute}"
+    )
+    if window_kept:
+        account += f" (sliding window {group.sliding_window} < prompt: the mask keeps it; one warning)"
+    if softmax_mode == "fast" and device.type != "hpu":
+        account += " (no fast softmax here: one warning, exact softmax)"
+    return account
+
+
+def kernel_name(device: torch.device) -> str:
+    if device.type == "hpu":
+        return "Habana FusedSDPA"
+    if device.type == "cuda":
+        return "torch SDPA (flash / memory-efficient / cuDNN backends)"
+    return f"torch SDPA ({device.type} flash backend)"
+
+
+def flag_accounts(arguments: ScriptArguments, device: torch.device, cache_kind: str) -> list[str]:
+    """Every flag of the attention, workload and execution groups: its value, given or default, and its effect."""
+    effects = {
+        "use_flash_attention": "fused kernel for every attention call"
+        if arguments.attention.use_flash_attention
+        else "default matmul-softmax attention",
+        "use_kv_cache": f"KV cache: {cache_kind}",
+        "static_shapes": "static KV cache" if cache_kind in ("static", "bucketed") else "dynamic KV cache",
+        "torch_compile": "decode step compiled by generate() (static cache)"
+        if arguments.execution.torch_compile
+        else "eager",
+        "ignore_eos": "no stop at the end-of-sequence token (eos_token_id=[])"
+        if arguments.workload.ignore_eos
+        else "each sequence stops at its end-of-sequence token",
+        "max_input_tokens": "prompts padded/truncated to this length"
+        if arguments.workload.max_input_tokens > 0
+        else "prompts as they are (padded to the longest)",
+    }
+    groups = [
+        (AttentionFlags, arguments.attention),
+        (WorkloadArguments, arguments.workload),
+        (ExecutionArguments, arguments.execution),
+    ]
+    skip = {"prompt", "device", "chat", "temperature", "top_p", "top_k", "do_sample", "num_beams", "seed"}
+    lines = []
+    for dataclass_type, values in groups:
+        for field in dataclasses.fields(dataclass_type):
+            if field.name in skip:
+                continue
+            value = getattr(values, field.name)
+            origin = "default" if value == field.default else "given"
+            effect = effects.get(field.name, "")
+            lines.append(f"--{field.name} = {value} ({origin}){': ' + effect if effect else ''}")
+    return lines
+
+
+def format_range(bounds: tuple[int, int]) -> str:
+    return str(bounds[0]) if bounds[0] == bounds[1] else f"{bounds[0]}..{bounds[1]}"
+
+
+def format_indices(indices: tuple[int, ...]) -> str:
+    if list(indices) == list(range(indices[0], indices[-1] + 1)):
+        return f"{indices[0]}-{indices[-1]}" if len(indices) > 1 else str(indices[0])
+    return ",".join(str(index) for index in indices)

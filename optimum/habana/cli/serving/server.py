@@ -1,0 +1,236 @@
+"""transformers' server (`transformers serve`) with the Gaudi classes and the attention flags.
+
+Everything that serves is transformers': its FastAPI app and routes (`/v1/chat/completions`, `/v1/completions`,
+`/v1/responses`, ...), its request handlers, its generation and continuous-batching managers, uvicorn as it
+configures it. Two things are ours:
+
+- `GaudiModelManager`, transformers' model manager with a `_load_model` that builds the Gaudi class of the
+  checkpoint's family (transformers' builds `getattr(transformers, config.architectures[0])`) and writes the
+  attention flags into the model's generation config, from which every request's generation config is copied. It
+  knows the embedded default model by its name.
+- `GaudiServe`, transformers' `Serve` with that manager. `Serve.__init__` builds its manager itself, with no
+  parameter for the class, so `GaudiServe.__init__` assembles the same parts in the same order. It takes exactly
+  `Serve`'s options, plus the flags: an option a later transformers adds is refused by name, never ignored.
+
+transformers is not patched: `transformers serve` in the same process still loads the stock classes.
+"""
+
+import inspect
+import json
+import logging
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import typer
+from transformers import AutoConfig, PreTrainedModel
+from transformers.cli.serve import ReasoningMode, Serve
+from transformers.cli.serving.model_manager import ModelManager
+from transformers.utils.import_utils import is_serve_available
+
+from optimum.habana.transformers import ATTENTION_FLAG_NAMES, gaudi_model_class
+from optimum.habana.transformers.attention_flags import check_flag_combination
+from optimum.habana.transformers.modeling_utils import ATTENTION_IMPLEMENTATIONS
+from optimum.habana.utils.model_loading import DEFAULT_MODEL_NAME, resolve_model
+from optimum.habana.utils.pretrained import load_tokenizer
+
+
+logger = logging.getLogger(__name__)
+
+
+SERVING_INSTALL_HINT = "pip install 'optimum-gaudi-flash[serving]'"
+
+
+# transformers serve's options as its `Serve` declares them (typer annotations, defaults, help).
+SERVE_PARAMETERS = tuple(
+    parameter for parameter in inspect.signature(Serve.__init__).parameters.values() if parameter.name != "self"
+)
+
+
+# How GaudiServe passes them on, as Serve does.
+MANAGER_OPTIONS = ("device", "dtype", "trust_remote_code", "attn_implementation", "quantization", "model_timeout")
+
+
+CB_OPTIONS = ("block_size", "num_blocks", "max_batch_tokens", "max_memory_percent", "use_cuda_graph")
+
+
+SERVER_OPTIONS = (
+    "force_model",
+    "continuous_batching",
+    "compile",
+    "decision_config",
+    "host",
+    "port",
+    "enable_cors",
+    "log_level",
+)
+
+
+def check_attention_options(attn_implementation: str | None, flags: Mapping[str, bool]) -> None:
+    """Refuse an attention the Gaudi classes cannot run, or flags that contradict it, before anything loads."""
+    if attn_implementation is not None and attn_implementation not in ATTENTION_IMPLEMENTATIONS:
+        raise ValueError(
+            f"--attn-implementation {attn_implementation!r} is not an attention of the Gaudi classes: take one of "
+            f"{', '.join(ATTENTION_IMPLEMENTATIONS)}, or leave it out and choose with --use_flash_attention."
+        )
+    implied = ATTENTION_IMPLEMENTATIONS.get(attn_implementation) if attn_implementation is not None else None
+    if implied is False and flags.get("use_flash_attention"):
+        raise ValueError(
+            f"--use_flash_attention contradicts --attn-implementation {attn_implementation!r} (the default "
+            "attention): drop one of them."
+        )
+    check_flag_combination({**flags, "use_flash_attention": bool(flags.get("use_flash_attention") or implied)})
+
+
+def describe_attention(model: PreTrainedModel) -> str:
+    """The attention every request runs unless its own generation config sets the flags."""
+    config = model.generation_config
+    flags = [name for name in ATTENTION_FLAG_NAMES if getattr(config, name, None)]
+    attention = "the fused kernel" if getattr(config, "use_flash_attention", None) else "the default attention"
+    return f"{type(model).__name__} on {model.device}, {attention} ({', '.join(flags) or 'no flags set'})"
+
+
+class GaudiModelManager(ModelManager):
+    """transformers' model manager, loading the Gaudi class of each checkpoint with the server's flags."""
+
+    def __init__(self, *args: Any, attention_flags: Mapping[str, bool] | None = None, **kwargs: Any) -> None:
+        # Set before the base class runs: it validates, then loads the pinned model.
+        self.attention_flags = {name: value for name, value in (attention_flags or {}).items() if value}
+        super().__init__(*args, **kwargs)
+
+    def _validate_args(self) -> None:
+        check_attention_options(self.attn_implementation, self.attention_flags)
+        chosen, self.attn_implementation = self.attn_implementation, None  # transformers' list lacks the Gaudi names
+        try:
+            super()._validate_args()
+        finally:
+            self.attn_implementation = chosen
+
+    @staticmethod
+    def checkpoint(model_id: str) -> str:
+        """What `from_pretrained` loads: the embedded default model by its name, anything else as given."""
+        return str(resolve_model(None).path) if model_id == DEFAULT_MODEL_NAME else model_id
+
+    def _load_processor(self, model_id_and_revision: str, gguf_file: str | None = None) -> Any:
+        if model_id_and_revision.split("@", 1)[0] == DEFAULT_MODEL_NAME:
+            return load_tokenizer(resolve_model(None))
+        return super()._load_processor(model_id_and_revision, gguf_file=gguf_file)
+
+    def _load_model(
+        self,
+        model_id_and_revision: str,
+        tqdm_class: type | None = None,
+        progress_callback: Callable | None = None,
+        gguf_file: str | None = None,
+    ) -> PreTrainedModel:
+        model_id, revision = model_id_and_revision.split("@", 1)
+        checkpoint = self.checkpoint(model_id)
+        kwargs: dict[str, Any] = {
+            "revision": revision,
+            "attn_implementation": self.attn_implementation,
+            "dtype": self.dtype,
+            "device_map": self.device,
+            "trust_remote_code": self.trust_remote_code,
+            "tqdm_class": tqdm_class,
+        }
+        quantization_config = self.get_quantization_config()
+        if quantization_config is not None:
+            kwargs["quantization_config"] = quantization_config
+        if gguf_file is not None:
+            kwargs["gguf_file"] = gguf_file
+        if progress_callback is not None:
+            progress_callback({"status": "loading", "model": model_id_and_revision, "stage": "config"})
+        model_type = AutoConfig.from_pretrained(checkpoint, **kwargs).model_type
+        model = gaudi_model_class(model_type).from_pretrained(checkpoint, **kwargs)
+        for name, value in self.attention_flags.items():
+            setattr(model.generation_config, name, value)
+        logger.warning("Serving %s: %s.", model_id, describe_attention(model))
+        return model
+
+
+class GaudiServe(Serve):
+    """transformers' `Serve` with `GaudiModelManager`: the same options, parts and order, plus the flags.
+
+    With no model named, the embedded default model is served (transformers loads models on demand instead).
+    """
+
+    def __init__(self, attention_flags: Mapping[str, bool] | None = None, **options: Any) -> None:
+        if not is_serve_available():
+            raise ImportError(
+                "Serving needs transformers' serving dependencies (fastapi, uvicorn, openai, pydantic): "
+                f"{SERVING_INSTALL_HINT}"
+            )
+        import uvicorn
+        from transformers import ContinuousBatchingConfig
+        from transformers.cli.serving.chat_completion import ChatCompletionHandler
+        from transformers.cli.serving.completion import CompletionHandler
+        from transformers.cli.serving.response import ResponseHandler
+        from transformers.cli.serving.server import build_server
+        from transformers.cli.serving.systemone import SystemOneHandler
+        from transformers.cli.serving.transcription import TranscriptionHandler
+        from transformers.cli.serving.utils import GenerationState, set_torch_seed
+        from transformers.utils import logging as transformers_logging
+
+        unknown = set(options) - {parameter.name for parameter in SERVE_PARAMETERS}
+        if unknown:
+            raise TypeError(f"GaudiServe got options that transformers serve does not have: {sorted(unknown)}")
+        options = {parameter.name: parameter.default for parameter in SERVE_PARAMETERS} | options
+        manager_options = {name: options.pop(name) for name in MANAGER_OPTIONS}
+        cb_options = {name: options.pop(f"cb_{name}") for name in CB_OPTIONS}
+        cb_options = {name: value for name, value in cb_options.items() if value is not None}
+        chat_template_kwargs = chat_template_options(options.pop("chat_template_kwargs"), options.pop("reasoning"))
+        force_model, continuous_batching, compile, decision_config, host, port, enable_cors, log_level = (
+            options.pop(name) for name in SERVER_OPTIONS
+        )
+        default_seed, non_blocking = options.pop("default_seed"), options.pop("non_blocking")
+        if options:  # an option of a later transformers serve that this class does not pass on
+            raise TypeError(f"optimum.habana.serve does not support transformers serve's {sorted(options)} yet.")
+
+        if default_seed is not None:
+            set_torch_seed(default_seed)
+        transformers_logging.get_logger("transformers").setLevel(transformers_logging.log_levels[log_level.lower()])
+        self._model_manager = GaudiModelManager(
+            **manager_options,
+            continuous_batching=continuous_batching,
+            force_model=force_model or DEFAULT_MODEL_NAME,
+            attention_flags=attention_flags,
+        )
+        self._generation_state = GenerationState(
+            continuous_batching=continuous_batching,
+            compile=compile,
+            cb_config=ContinuousBatchingConfig(**cb_options) if cb_options else None,
+        )
+        shared = {"model_manager": self._model_manager, "generation_state": self._generation_state}
+        self._chat_handler = ChatCompletionHandler(**shared, chat_template_kwargs=chat_template_kwargs)
+        self._completion_handler = CompletionHandler(**shared)
+        self._response_handler = ResponseHandler(**shared, chat_template_kwargs=chat_template_kwargs)
+        self._transcription_handler = TranscriptionHandler(self._model_manager, self._generation_state)
+        self._systemone_handler = SystemOneHandler(
+            **shared, chat_template_kwargs=chat_template_kwargs, decision_config=decision_config
+        )
+        app = build_server(
+            self._model_manager,
+            self._chat_handler,
+            completion_handler=self._completion_handler,
+            response_handler=self._response_handler,
+            transcription_handler=self._transcription_handler,
+            systemone_handler=self._systemone_handler,
+            generation_state=self._generation_state,
+            enable_cors=enable_cors,
+        )
+        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info"))
+        if non_blocking:
+            self.start_server()
+        else:
+            self.server.run()
+
+
+def chat_template_options(chat_template_kwargs: str | None, reasoning: str) -> dict[str, Any]:
+    """`--chat-template-kwargs` and `--reasoning` as transformers serve reads them."""
+    options = json.loads(chat_template_kwargs) if chat_template_kwargs else {}
+    if not isinstance(options, dict):
+        raise typer.BadParameter("--chat-template-kwargs must be a JSON object")
+    if reasoning == ReasoningMode.ON:
+        options["enable_thinking"] = True
+    elif reasoning == ReasoningMode.OFF:
+        options["enable_thinking"] = False
+    return options

@@ -1,0 +1,252 @@
+"""transformers' continuous batching on the Gaudi classes: every family, with and without the flag.
+
+Each request's greedy fp32 tokens equal its own `generate()` and stock transformers' continuous batching with
+`sdpa`; with the flag every attention call of every engine step (prefill chunks and decode) runs the fused kernel
+over the paged cache; the user's `attn_implementation` and flags come back unchanged when the manager stops; and a
+request the engine cannot serve fails alone, with its reason.
+"""
+
+import pytest
+import torch
+from transformers import GenerationConfig
+from transformers.generation.configuration_utils import ContinuousBatchingConfig
+from transformers.generation.continuous_batching.requests import RequestStatus
+
+from optimum.habana.transformers import attention
+from tests.helpers import FAMILIES, SLIDING_WINDOW_CONFIGS, SOFT_CAPPED, build_pair, count_attention_paths
+
+
+LENGTHS = (5, 9, 3, 12)  # mixed lengths, some past the 5-token sliding windows
+NEW_TOKENS = 6
+
+
+def small_engine() -> ContinuousBatchingConfig:
+    """A paged cache sized for these requests: sized from free memory by default, it takes seconds to allocate."""
+    return ContinuousBatchingConfig(page_size=16, num_blocks=32, max_batch_tokens=64)
+
+
+def prompts(seed: int = 0) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 256, (length,), generator=generator).tolist() for length in LENGTHS]
+
+
+def greedy_config(**overrides) -> GenerationConfig:
+    values = {"max_new_tokens": NEW_TOKENS, "do_sample": False, "eos_token_id": -1, "pad_token_id": 0}
+    return GenerationConfig(**{**values, **overrides})
+
+
+def by_request(outputs: dict) -> list[list[int]]:
+    """Each request's tokens, in the order the prompts were added (ids req_0, req_1, ...)."""
+    ordered = sorted(outputs.values(), key=lambda output: int(output.request_id.rsplit("_", 1)[-1]))
+    return [output.generated_tokens for output in ordered]
+
+
+def one_by_one(model, requests: list[list[int]], **kwargs) -> list[list[int]]:
+    return [
+        model.generate(torch.tensor([ids]), generation_config=greedy_config(), **kwargs)[0, len(ids) :].tolist()
+        for ids in requests
+    ]
+
+
+def models(model_type: str, **overrides):
+    return build_pair(model_type, **overrides)
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_generate_batch_matches_generate_and_stock_continuous_batching(model_type, monkeypatch):
+    ours, stock = models(model_type)
+    if model_type not in SOFT_CAPPED:  # stock Gemma 2 has no sdpa: its engine runs "paged|eager"
+        stock.set_attn_implementation("sdpa")
+    requests = prompts()
+    expected = one_by_one(ours, requests)
+    stock_outputs = stock.generate_batch(
+        inputs=requests, generation_config=greedy_config(), continuous_batching_config=small_engine()
+    )
+    assert by_request(stock_outputs) == expected
+    for use_flash_attention in (False, True):
+        ours.generation_config.use_flash_attention = use_flash_attention
+        with count_attention_paths(monkeypatch, profile=False) as counts:
+            outputs = ours.generate_batch(
+                inputs=requests, generation_config=greedy_config(), continuous_batching_config=small_engine()
+            )
+        assert all(output.status == RequestStatus.FINISHED for output in outputs.values())
+        assert by_request(outputs) == expected, f"use_flash_attention={use_flash_attention}"
+        calls = counts["fused"] + counts["default"]
+        assert calls > 0 and calls % ours.config.num_hidden_layers == 0  # every layer of every engine step
+        if use_flash_attention and model_type not in SOFT_CAPPED:
+            assert counts["default"] == 0
+        else:
+            assert counts["fused"] == 0
+
+
+@pytest.mark.parametrize("model_type", SLIDING_WINDOW_CONFIGS)
+def test_sliding_windows_hold_in_continuous_batching(model_type, monkeypatch):
+    ours, _ = models(model_type, **SLIDING_WINDOW_CONFIGS[model_type])
+    requests = prompts(1)
+    expected = one_by_one(ours, requests)
+    outputs = ours.generate_batch(
+        inputs=requests,
+        generation_config=greedy_config(use_flash_attention=True),
+        continuous_batching_config=small_engine(),
+    )
+    assert by_request(outputs) == expected
+
+
+@pytest.mark.parametrize("implementation", ["eager", "sdpa", "gaudi_fused_sdpa", "gaudi"])
+def test_any_loaded_attn_implementation_serves_and_comes_back(implementation, tmp_path, monkeypatch):
+    ours, _ = models("llama")
+    ours.save_pretrained(tmp_path)
+    model = type(ours).from_pretrained(tmp_path, attn_implementation=implementation)
+    model.generation_config.flash_attention_recompute = None
+    flags_before = model.generation_config.to_dict()
+    requests = prompts()
+    expected = one_by_one(model, requests)
+    with count_attention_paths(monkeypatch, profile=False) as counts:
+        outputs = model.generate_batch(
+            inputs=requests, generation_config=greedy_config(), continuous_batching_config=small_engine()
+        )
+    assert by_request(outputs) == expected
+    fused = implementation in ("sdpa", "gaudi_fused_sdpa")  # the flag each one sets as the model's default
+    assert (counts["fused"] > 0, counts["default"] > 0) == (fused, not fused)
+    assert model.config._attn_implementation == implementation
+    assert model.generation_config.to_dict() == flags_before
+
+
+def test_the_given_generation_config_carries_the_flag(monkeypatch):
+    ours, _ = models("llama")
+    assert not ours.generation_config.use_flash_attention
+    with count_attention_paths(monkeypatch, profile=False) as counts:
+        ours.generate_batch(
+            inputs=prompts(),
+            generation_config=greedy_config(use_flash_attention=True),
+            continuous_batching_config=small_engine(),
+        )
+    assert counts["fused"] > 0 and counts["default"] == 0
+    with count_attention_paths(monkeypatch, profile=False) as counts:
+        ours.generate_batch(
+            inputs=prompts(), generation_config=greedy_config(), continuous_batching_config=small_engine()
+        )
+    assert counts["default"] > 0 and counts["fused"] == 0  # the model's own config again
+
+
+def test_manager_add_request_streaming_and_context_manager(monkeypatch):
+    ours, _ = models("llama")
+    requests = prompts()
+    expected = one_by_one(ours, requests, use_flash_attention=True)
+    config = greedy_config(use_flash_attention=True)
+    with ours.continuous_batching_context_manager(
+        generation_config=config, continuous_batching_config=small_engine()
+    ) as manager:
+        ids = [manager.add_request(ids, max_new_tokens=NEW_TOKENS) for ids in requests]
+        results = {}
+        while len(results) < len(ids):
+            result = manager.get_result(timeout=5)
+            if result is not None and result.is_finished():
+                results[result.request_id] = result.generated_tokens
+    assert [results[request_id] for request_id in ids] == expected
+    manager = ours.init_continuous_batching(generation_config=config, continuous_batching_config=small_engine())
+    manager.start()
+    try:
+        request_id = manager.add_request(requests[0], max_new_tokens=NEW_TOKENS, streaming=True)
+        streamed = []
+        for chunk in manager.request_id_iter(request_id):
+            streamed = chunk.generated_tokens
+            if chunk.is_finished():
+                break
+    finally:
+        manager.stop(block=True)
+    assert streamed == expected[0]
+    assert ours.config._attn_implementation == "gaudi"
+
+
+def test_a_request_that_cannot_be_served_fails_alone():
+    ours, _ = models("llama")
+    too_long = [3 + index % 250 for index in range(ours.config.max_position_embeddings + 10)]
+    requests = [prompts()[0], too_long, [], prompts()[2]]
+    outputs = ours.generate_batch(
+        inputs=requests,
+        generation_config=greedy_config(use_flash_attention=True),
+        continuous_batching_config=small_engine(),
+    )
+    ordered = sorted(outputs.values(), key=lambda output: int(output.request_id.rsplit("_", 1)[-1]))
+    statuses = [output.status for output in ordered]
+    assert statuses == [RequestStatus.FINISHED, RequestStatus.FAILED, RequestStatus.FAILED, RequestStatus.FINISHED]
+    assert ordered[1].error == (
+        "the prompt has 2058 tokens, as many as or more than the model's context of 2048 (max_position_embeddings): "
+        "shorten it."
+    )
+    assert ordered[2].error == "empty prompt: there is nothing to continue; send at least one token."
+    assert not ordered[1].generated_tokens and not ordered[2].generated_tokens
+    expected = one_by_one(ours, [requests[0], requests[3]])
+    assert [ordered[0].generated_tokens, ordered[3].generated_tokens] == expected
+
+
+def test_a_bad_generation_option_fails_its_request_alone():
+    ours, _ = models("llama")
+    with ours.continuous_batching_context_manager(
+        generation_config=greedy_config(), continuous_batching_config=small_engine()
+    ) as manager:
+        bad = manager.add_request(prompts()[0], max_new_tokens=-3)
+        good = manager.add_request(prompts()[1], max_new_tokens=NEW_TOKENS)
+        results = {}
+        while len(results) < 2:
+            result = manager.get_result(timeout=5)
+            if result is not None and result.is_finished():
+                results[result.request_id] = result
+    assert results[bad].status == RequestStatus.FAILED
+    assert results[bad].error == "max_new_tokens must be at least 1, got -3."
+    assert results[good].generated_tokens == one_by_one(ours, [prompts()[1]])[0]
+
+
+def test_other_cache_arguments_are_still_refused():
+    ours, _ = models("llama")
+    query = torch.zeros(1, 4, 2, 16)
+    key = value = torch.zeros(1, 2, 2, 16)
+    with pytest.raises(TypeError, match=r"does not know the argument\(s\) \['cache'\]"):
+        attention.gaudi_attention_forward(ours.model.layers[0].self_attn, query, key, value, None, cache=object())
+
+
+def test_the_flag_runs_one_kernel_call_per_sequence_over_its_own_keys():
+    """Three sequences packed as the engine packs them: a prompt from an empty cache, a decode step, and a prompt
+    chunk after cached tokens; then two queries of engine padding. Each output row equals the attention over its
+    own sequence's keys under the engine's dense mask."""
+    from optimum.habana.transformers.attention_flags import AttentionFlags
+    from optimum.habana.transformers.paged_attention import paged_flash_attention, sequence_bounds
+
+    shapes = [(5, 5), (1, 9), (4, 12)]  # (queries, keys) per sequence
+    cu_q = torch.tensor([0, 5, 6, 10], dtype=torch.int32)
+    cu_k = torch.tensor([0, 5, 14, 26], dtype=torch.int32)
+    generator = torch.Generator().manual_seed(0)
+    query = torch.randn(1, 4, 12, 16, generator=generator)  # 10 real queries, 2 of padding
+    key, value = (torch.randn(1, 2, 26, 16, generator=generator) for _ in range(2))
+
+    dense = torch.zeros(12, 26, dtype=torch.bool)
+    for (q_len, k_len), q_start, k_start in zip(shapes, cu_q.tolist(), cu_k.tolist(), strict=False):
+        for row in range(q_len):
+            dense[q_start + row, k_start : k_start + k_len - q_len + row + 1] = True
+    expected = attention.matmul_softmax_attention(
+        query, key, value, dense[None, None], 0.25, 0.0, torch.float32, softcap=None, is_causal=False
+    )[0].transpose(1, 2)
+
+    bounds = sequence_bounds(12, cu_q, {"full_attention": cu_k})
+    assert bounds == [(0, 5, 0, 5), (5, 6, 5, 14), (6, 10, 14, 26)]
+    output = paged_flash_attention(query, key, value, bounds, 0.25, AttentionFlags(use_flash_attention=True))
+    torch.testing.assert_close(output[:, :, :10], expected[:, :, :10], rtol=1e-5, atol=1e-5)
+    assert torch.equal(output[:, :, 10:], torch.zeros(1, 4, 2, 16))
+
+
+def test_long_prompts_in_chunks_next_to_decoding_requests_match_generate(monkeypatch):
+    """Prompts longer than an engine step arrive in chunks after their own cached tokens, next to requests that
+    decode: with the flag, every full-attention call runs one kernel call per scheduled sequence."""
+    ours, _ = models("llama")
+    requests = [torch.arange(5, 45).tolist(), [8, 9, 10], torch.arange(50, 70).tolist()]
+    expected = one_by_one(ours, requests)
+    engine = ContinuousBatchingConfig(page_size=16, num_blocks=32, max_batch_tokens=16)
+    with count_attention_paths(monkeypatch, profile=False) as counts:
+        outputs = ours.generate_batch(
+            inputs=requests,
+            generation_config=greedy_config(use_flash_attention=True),
+            continuous_batching_config=engine,
+        )
+    assert by_request(outputs) == expected
+    assert counts["default"] == 0 and counts["fused"] > 0

@@ -1,0 +1,202 @@
+"""The Gaudi classes behave like the stock classes wherever a transformers user would notice.
+
+Each test here is one of the ways the first `GaudiLlamaForCausalLM` was not a drop-in (issue 7), plus the
+attention-function contract that keeps family features from being dropped.
+"""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import LlamaForCausalLM
+
+from optimum.habana import GaudiLlamaForCausalLM, gaudi_attention_forward
+from optimum.habana.kernels import dispatch
+from tests.helpers import FLASH_KERNEL_CPU, count_attention_paths, left_padded_batch, tiny_config, tiny_llama_config
+
+
+LAYERS = 2
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    torch.manual_seed(0)
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    LlamaForCausalLM(tiny_llama_config()).save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture
+def inputs():
+    return left_padded_batch([9, 6], seed=1)
+
+
+def test_output_loading_info_returns_the_model_and_the_info(checkpoint):
+    model, info = GaudiLlamaForCausalLM.from_pretrained(checkpoint, output_loading_info=True)
+    assert isinstance(model, GaudiLlamaForCausalLM)
+    assert info["missing_keys"] == set() or info["missing_keys"] == []
+    assert model.generation_config.__class__.__name__ == "GaudiGenerationConfig"
+
+
+BUILDERS = {
+    "from_pretrained": lambda checkpoint, name: GaudiLlamaForCausalLM.from_pretrained(
+        checkpoint, attn_implementation=name
+    ),
+    "_from_config": lambda checkpoint, name: GaudiLlamaForCausalLM._from_config(
+        tiny_llama_config(), attn_implementation=name
+    ),
+    "constructor config": lambda checkpoint, name: GaudiLlamaForCausalLM(tiny_llama_config(attn_implementation=name)),
+    "set_attn_implementation": lambda checkpoint, name: set_after_build(name),
+}
+
+
+def set_after_build(name):
+    model = GaudiLlamaForCausalLM(tiny_llama_config())
+    model.set_attn_implementation(name)
+    return model
+
+
+@pytest.mark.parametrize("route", BUILDERS)
+@pytest.mark.parametrize(
+    "name, fused", [("eager", False), ("sdpa", True), ("gaudi_fused_sdpa", True), ("gaudi", False)]
+)
+def test_attn_implementation_maps_onto_the_two_paths_by_every_route(
+    checkpoint, inputs, route, name, fused, monkeypatch
+):
+    model = BUILDERS[route](checkpoint, name).eval()
+    # What the user asked for stays visible, where transformers' own checks read it.
+    assert model.config._attn_implementation == name
+    with count_attention_paths(monkeypatch) as counts:
+        model(**inputs)
+    assert counts["fused" if fused else "default"] == LAYERS
+    assert counts["default" if fused else "fused"] == 0
+    # The per-call flag still decides for one call.
+    with count_attention_paths(monkeypatch) as counts:
+        model(**inputs, use_flash_attention=not fused)
+    assert counts["default" if fused else "fused"] == LAYERS
+
+
+@pytest.mark.parametrize("route", BUILDERS)
+@pytest.mark.parametrize("name", ["flash_attention_2", "flex_attention", "bogus"])
+def test_other_attn_implementations_are_one_clear_error(checkpoint, route, name):
+    message = rf"takes attn_implementation 'gaudi', 'eager', 'sdpa', 'gaudi_fused_sdpa', got '{name}'"
+    with pytest.raises(ValueError, match=message):
+        BUILDERS[route](checkpoint, name)
+
+
+def test_output_attentions_at_load_gives_weights_even_with_the_flag(checkpoint, inputs, monkeypatch):
+    model = GaudiLlamaForCausalLM.from_pretrained(checkpoint, output_attentions=True)
+    assert model.config._attn_implementation == "eager"
+    dispatch.warn_once.cache_clear()
+    expected = "output_attentions=True asks for the attention weights"
+    with pytest.warns(UserWarning, match=expected) as record, count_attention_paths(monkeypatch) as counts:
+        first = model(**inputs, use_flash_attention=True)
+        model(**inputs, use_flash_attention=True)
+    assert len([w for w in record if "output_attentions" in str(w.message)]) == 1
+    assert counts["default"] == 2 * LAYERS and counts["fused"] == 0
+    assert len(first.attentions) == LAYERS and first.attentions[0].shape == (2, 4, 9, 9)
+
+
+def test_per_call_output_attentions_runs_that_call_on_the_default_path(inputs, monkeypatch):
+    torch.manual_seed(0)
+    model = GaudiLlamaForCausalLM(tiny_llama_config()).eval()
+    with count_attention_paths(monkeypatch) as counts:
+        output = model(**inputs, use_flash_attention=True, output_attentions=True)
+        model(**inputs, use_flash_attention=True)
+    assert counts["default"] == LAYERS and counts["fused"] == LAYERS
+    assert len(output.attentions) == LAYERS and output.attentions[0].shape == (2, 4, 9, 9)
+
+
+def test_generate_dict_outputs_and_assisted_decoding_run_with_the_flag(inputs):
+    torch.manual_seed(0)
+    model = GaudiLlamaForCausalLM(tiny_llama_config(initializer_range=0.1)).eval()
+    assistant = GaudiLlamaForCausalLM(tiny_llama_config(num_hidden_layers=1)).eval()
+    greedy = {"max_new_tokens": 5, "min_new_tokens": 5, "do_sample": False, "pad_token_id": 0}
+    reference = model.generate(**inputs, **greedy)
+
+    out = model.generate(
+        **inputs, **greedy, use_flash_attention=True, output_attentions=True, return_dict_in_generate=True
+    )
+    assert torch.equal(out.sequences, reference)
+    assert len(out.attentions) == 5 and len(out.attentions[0]) == LAYERS
+
+    single = {name: tensor[1:, 3:] for name, tensor in inputs.items()}  # assisted decoding takes batch 1
+    assisted = model.generate(**single, **greedy, assistant_model=assistant, use_flash_attention=True)
+    assert torch.equal(assisted, model.generate(**single, **greedy))
+
+
+def test_building_a_gaudi_model_leaves_the_callers_config_alone(inputs, monkeypatch):
+    config = tiny_llama_config()
+    GaudiLlamaForCausalLM(config)
+    assert config._attn_implementation is None
+    stock = LlamaForCausalLM(config).eval()
+    assert stock.config._attn_implementation == "sdpa"
+    with count_attention_paths(monkeypatch) as counts:
+        stock(**inputs)
+    assert counts["fused"] == counts["default"] == 0
+
+
+def test_flag_values_are_checked_when_reached_through_the_registration_alone(inputs):
+    """A stock class with attn_implementation="gaudi" has no Gaudi forward: the attention checks the values."""
+    model = LlamaForCausalLM(tiny_llama_config(attn_implementation="gaudi")).eval()
+    with pytest.raises(ValueError, match=r"`use_flash_attention` must be True or False, got 'False'"):
+        model(**inputs, use_flash_attention="False")
+    with pytest.raises(ValueError, match="`flash_attention_recompute` requires `use_flash_attention`"):
+        model(**inputs, flash_attention_recompute=True)
+
+
+def test_an_attention_keyword_nobody_handles_is_an_error():
+    query = key = value = torch.zeros(1, 2, 3, 4)
+    module = torch.nn.Linear(1, 1)
+    with pytest.raises(TypeError, match=r"does not know the argument\(s\) \['s_aux'\] that Linear passes"):
+        gaudi_attention_forward(module, query, key, value, None, s_aux=torch.zeros(2))
+
+
+def test_the_core_needs_none_of_the_example_dependencies():
+    """What `pip install .` without extras gives: the library imports, builds a model and generates with the flag."""
+    code = """
+import sys
+for name in ("datasets", "peft", "tabulate", "matplotlib", "lm_eval"):
+    sys.modules[name] = None  # importing any of them now fails
+import torch
+from transformers import AutoConfig
+import optimum.habana
+from optimum.habana.utils import devices, model_loading, pretrained  # the core helpers too
+config = AutoConfig.for_model("qwen2", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                              num_attention_heads=2, num_key_value_heads=1)
+model = optimum.habana.gaudi_model_class("qwen2")(config).eval()
+ids = torch.randint(3, 64, (1, 6))
+out = model.generate(input_ids=ids, max_new_tokens=3, do_sample=False, use_flash_attention=True)
+assert out.shape == (1, 9)
+assert "optimum.habana.cli" not in sys.modules
+print("ok")
+"""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "ok"
+
+
+def test_adapt_transformers_to_gaudi_registers_every_family():
+    from transformers import AutoModelForCausalLM
+
+    from optimum.habana import adapt_transformers_to_gaudi, gaudi_model_class, supported_model_types
+
+    adapt_transformers_to_gaudi()
+    for model_type in supported_model_types():
+        model = AutoModelForCausalLM.from_config(tiny_config(model_type, num_hidden_layers=1))
+        assert type(model) is gaudi_model_class(model_type)
+
+
+def test_a_gaudi_model_survives_a_deep_copy(inputs, monkeypatch):
+    import copy
+
+    torch.manual_seed(0)
+    model = GaudiLlamaForCausalLM(tiny_llama_config()).eval()
+    clone = copy.deepcopy(model)
+    clone.config.sliding_window = 1234  # a later change of the copy's config reaches the copy's layers only
+    assert clone.model.layers[0].self_attn.config.sliding_window == 1234
+    assert getattr(model.model.layers[0].self_attn.config, "sliding_window", None) != 1234
+    with count_attention_paths(monkeypatch) as counts:
+        clone(**inputs, use_flash_attention=True)
+    assert counts["fused"] == counts[FLASH_KERNEL_CPU] == LAYERS

@@ -1,0 +1,239 @@
+"""The flag reaches the kernel by every route, with the documented precedence, and invalid settings are refused."""
+
+import copy
+
+import pytest
+import torch
+
+from optimum.habana import GaudiGenerationConfig, GaudiLlamaForCausalLM
+from optimum.habana.transformers import attention
+from optimum.habana.transformers.attention_flags import resolve_attention_flags
+from tests.helpers import FLASH_KERNEL_CPU, count_attention_paths, tiny_llama_config
+
+
+NEW_TOKENS = 3
+LAYERS = 2
+# Prefill plus one decode step per new token after the first, in every layer.
+ATTENTION_CALLS = LAYERS * NEW_TOKENS
+
+
+@pytest.fixture(scope="module")
+def model() -> GaudiLlamaForCausalLM:
+    torch.manual_seed(0)
+    return GaudiLlamaForCausalLM(tiny_llama_config(num_hidden_layers=LAYERS)).eval()
+
+
+@pytest.fixture
+def inputs() -> dict[str, torch.Tensor]:
+    input_ids = torch.randint(3, 256, (2, 9), generator=torch.Generator().manual_seed(1))
+    attention_mask = torch.ones_like(input_ids)
+    attention_mask[1, :3] = 0  # left padding
+    return {"input_ids": input_ids, "attention_mask": attention_mask}
+
+
+@pytest.fixture
+def model_default(model):
+    """Restore the model's generation config after a test that sets a per-model default."""
+    saved = model.generation_config
+    model.generation_config = GaudiGenerationConfig.from_dict(saved.to_dict())
+    yield model.generation_config
+    model.generation_config = saved
+
+
+def generate(model, inputs, **kwargs) -> torch.Tensor:
+    return model.generate(**inputs, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False, **kwargs)
+
+
+def assert_all_fused(counts) -> None:
+    assert counts["fused"] == ATTENTION_CALLS
+    assert counts["default"] == 0
+    assert counts[FLASH_KERNEL_CPU] == ATTENTION_CALLS
+
+
+def assert_none_fused(counts) -> None:
+    assert counts["default"] == ATTENTION_CALLS
+    assert counts["fused"] == 0
+    assert counts[FLASH_KERNEL_CPU] == 0
+
+
+def test_forward_kwarg(model, inputs, monkeypatch):
+    with count_attention_paths(monkeypatch) as counts:
+        model(**inputs, use_flash_attention=True)
+    assert counts["fused"] == counts[FLASH_KERNEL_CPU] == LAYERS and counts["default"] == 0
+    with count_attention_paths(monkeypatch) as counts:
+        model(**inputs)
+    assert counts["default"] == LAYERS and counts["fused"] == 0
+
+
+@pytest.mark.parametrize("cache_implementation", [None, "static"])
+def test_generate_kwarg(model, inputs, monkeypatch, cache_implementation):
+    with count_attention_paths(monkeypatch) as counts:
+        generate(model, inputs, use_flash_attention=True, cache_implementation=cache_implementation)
+    assert_all_fused(counts)
+    with count_attention_paths(monkeypatch) as counts:
+        generate(model, inputs, use_flash_attention=False, cache_implementation=cache_implementation)
+    assert_none_fused(counts)
+
+
+def test_generation_config_argument(model, inputs, monkeypatch):
+    config = GaudiGenerationConfig(max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, use_flash_attention=True)
+    with count_attention_paths(monkeypatch) as counts:
+        model.generate(**inputs, generation_config=config)
+    assert_all_fused(counts)
+    # The argument is not modified: a later call without it runs the model's default.
+    assert config.use_flash_attention is True
+    with count_attention_paths(monkeypatch) as counts:
+        generate(model, inputs)
+    assert_none_fused(counts)
+
+
+def test_model_generation_config_and_per_call_override(model, inputs, model_default, monkeypatch):
+    model_default.use_flash_attention = True
+    with count_attention_paths(monkeypatch) as counts:
+        generate(model, inputs)
+    assert_all_fused(counts)
+    with count_attention_paths(monkeypatch) as counts:
+        generate(model, inputs, cache_implementation="static")
+    assert_all_fused(counts)
+    with count_attention_paths(monkeypatch) as counts:
+        model(**inputs)  # forward without the kwarg follows the model's default too
+    assert counts["fused"] == LAYERS and counts["default"] == 0
+
+    # A per-call value wins, for that call only.
+    with count_attention_paths(monkeypatch) as counts:
+        generate(model, inputs, use_flash_attention=False)
+    assert_none_fused(counts)
+    with count_attention_paths(monkeypatch) as counts:
+        model(**inputs, use_flash_attention=False)
+    assert counts["default"] == LAYERS and counts["fused"] == 0
+    with count_attention_paths(monkeypatch) as counts:
+        generate(model, inputs)
+    assert_all_fused(counts)
+
+
+def test_passed_config_beats_model_config_and_kwarg_beats_both(model, inputs, model_default, monkeypatch):
+    model_default.use_flash_attention = True
+    off = GaudiGenerationConfig(max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, use_flash_attention=False)
+    with count_attention_paths(monkeypatch) as counts:
+        model.generate(**inputs, generation_config=off)
+    assert_none_fused(counts)
+    with count_attention_paths(monkeypatch) as counts:
+        model.generate(**inputs, generation_config=off, use_flash_attention=True)
+    assert_all_fused(counts)
+    # A passed config that leaves the flag unset inherits the model's value, like transformers' own fields.
+    unset = GaudiGenerationConfig(max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS)
+    with count_attention_paths(monkeypatch) as counts:
+        model.generate(**inputs, generation_config=unset)
+    assert_all_fused(counts)
+
+
+def test_companion_flags_reach_the_kernel_by_every_route(model, inputs, model_default, monkeypatch):
+    """The companions travel with the flag: spy on the kernel dispatch's arguments."""
+    seen = []
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs)
+        return real(*args, **kwargs)
+
+    from optimum.habana.transformers import attention
+
+    real = attention.fused_sdpa
+    monkeypatch.setattr(attention, "fused_sdpa", spy)
+    flags = {"use_flash_attention": True, "flash_attention_recompute": True, "flash_attention_causal_mask": True}
+
+    generate(model, inputs, **flags)
+    config = GaudiGenerationConfig(max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, **flags)
+    model.generate(**inputs, generation_config=config)
+    for name, value in flags.items():
+        setattr(model_default, name, value)
+    generate(model, inputs)
+
+    assert len(seen) == 3 * ATTENTION_CALLS
+    prefills = [call for call in seen if call["valid_sequence_lengths"] is not None]
+    assert len(prefills) == 3 * LAYERS
+    for call in prefills:
+        assert call["recompute"] is True and call["is_causal"] is True and call["padding_side"] == "left"
+        assert call["valid_sequence_lengths"].tolist() == [9, 6]
+    decodes = [call for call in seen if call["valid_sequence_lengths"] is None]
+    assert all(call["recompute"] is False for call in decodes)
+
+
+def test_config_round_trip(tmp_path, model):
+    flags = {
+        "use_flash_attention": True,
+        "flash_attention_recompute": True,
+        "flash_attention_causal_mask": True,
+        "flash_attention_fast_softmax": True,
+        "attn_softmax_bf16": False,
+    }
+    GaudiGenerationConfig(**flags).save_pretrained(tmp_path / "config")
+    loaded = GaudiGenerationConfig.from_pretrained(tmp_path / "config")
+    assert {name: getattr(loaded, name) for name in flags} == flags
+
+    for name, value in flags.items():
+        setattr(model.generation_config, name, value)
+    try:
+        model.save_pretrained(tmp_path / "model")
+    finally:
+        for name in flags:
+            setattr(model.generation_config, name, None)
+    reloaded = GaudiLlamaForCausalLM.from_pretrained(tmp_path / "model")
+    assert isinstance(reloaded.generation_config, GaudiGenerationConfig)
+    assert {name: getattr(reloaded.generation_config, name) for name in flags} == flags
+    assert reloaded.config._attn_implementation == "gaudi"
+
+
+@pytest.mark.parametrize(
+    "companion", ["flash_attention_recompute", "flash_attention_causal_mask", "flash_attention_fast_softmax"]
+)
+def test_companion_without_flag_is_an_error(model, inputs, companion):
+    message = f"`{companion}` requires `use_flash_attention`"
+    with pytest.raises(ValueError, match=message):
+        GaudiGenerationConfig(**{companion: True})
+    with pytest.raises(ValueError, match=message):
+        generate(model, inputs, **{companion: True})
+    with pytest.raises(ValueError, match=message):
+        model(**inputs, **{companion: True})
+    with pytest.raises(ValueError, match=message):
+        model.generate(
+            **inputs, generation_config=GaudiGenerationConfig(use_flash_attention=False), **{companion: True}
+        )
+
+
+def test_turning_flash_off_per_call_drops_the_models_companions(model, inputs, model_default, monkeypatch):
+    model_default.use_flash_attention = True
+    model_default.flash_attention_recompute = True
+    with count_attention_paths(monkeypatch) as counts:
+        generate(model, inputs, use_flash_attention=False)
+    assert_none_fused(counts)
+
+
+def test_softmax_bf16_with_flash_applies_to_the_calls_on_the_default_path(model, inputs, monkeypatch):
+    """Accepted (Optimum-Habana's command lines combine them): fused calls ignore it, default-path calls use it."""
+    GaudiGenerationConfig(use_flash_attention=True, attn_softmax_bf16=True)  # no error
+    softmax_dtypes = []
+    default_path = attention.matmul_softmax_attention
+
+    def spy(query, key, value, mask, scaling, dropout, softmax_dtype, **kwargs):
+        softmax_dtypes.append(softmax_dtype)
+        return default_path(query, key, value, mask, scaling, dropout, softmax_dtype, **kwargs)
+
+    monkeypatch.setattr(attention, "matmul_softmax_attention", spy)
+    bf16_model = copy.deepcopy(model).to(torch.bfloat16)
+    with pytest.warns(UserWarning, match="attn_softmax_bf16 with use_flash_attention: the fused kernel computes"):
+        flash = generate(bf16_model, inputs, use_flash_attention=True, attn_softmax_bf16=True)
+    assert softmax_dtypes == []  # every call was fused
+    assert torch.equal(flash, generate(bf16_model, inputs, use_flash_attention=True))
+    # A call that takes the default path (attention weights asked for) gets the bf16 softmax.
+    bf16_model(**inputs, use_flash_attention=True, attn_softmax_bf16=True, output_attentions=True)
+    assert softmax_dtypes and set(softmax_dtypes) == {torch.bfloat16}
+
+
+@pytest.mark.parametrize("value", ["yes", 1, 0.0])
+def test_non_boolean_flag_is_an_error(model, inputs, value):
+    with pytest.raises(ValueError, match=r"`use_flash_attention` must be True or False"):
+        GaudiGenerationConfig(use_flash_attention=value)
+    with pytest.raises(ValueError, match=r"`use_flash_attention` must be True or False"):
+        generate(model, inputs, use_flash_attention=value)
+    with pytest.raises(ValueError, match=r"`flash_attention_recompute` must be True or False"):
+        resolve_attention_flags({"flash_attention_recompute": value})

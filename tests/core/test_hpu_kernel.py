@@ -1,0 +1,184 @@
+"""The HPU path, through a test double of `habana_frameworks`: exact FusedSDPA arguments per phase and version."""
+
+import pytest
+import torch
+
+from optimum.habana import GaudiLlamaForCausalLM, hpu
+from optimum.habana.kernels import dispatch
+from tests.core import fake_habana
+from tests.helpers import left_padded_batch, tiny_llama_config
+
+
+LAYERS = 2
+NEW_TOKENS = 3
+HEAD_DIM = 16  # hidden 64 over 4 heads
+
+
+@pytest.fixture(scope="module")
+def model() -> GaudiLlamaForCausalLM:
+    torch.manual_seed(0)
+    return GaudiLlamaForCausalLM(tiny_llama_config(num_hidden_layers=LAYERS, initializer_range=0.1)).eval()
+
+
+def gaudi(monkeypatch, version: str = "1.18") -> fake_habana.FakeHabana:
+    """Install the double and treat the (CPU) test tensors as HPU tensors."""
+    state = fake_habana.install(monkeypatch, version)
+    hpu.hpu_kernel.cache_clear()
+    monkeypatch.setattr(dispatch, "on_hpu", lambda tensor: True)
+    return state
+
+
+@pytest.fixture(autouse=True)
+def clear_kernel_cache():
+    yield
+    hpu.hpu_kernel.cache_clear()
+
+
+def batch(lengths: list[int]) -> dict[str, torch.Tensor]:
+    return left_padded_batch(lengths, seed=7)
+
+
+def greedy(model, inputs, **kwargs) -> torch.Tensor:
+    return model.generate(
+        **inputs, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0, **kwargs
+    )
+
+
+def split_phases(calls):
+    prefill = [call for call in calls if call.query.shape[2] > 1]
+    decode = [call for call in calls if call.query.shape[2] == 1]
+    assert len(prefill) == LAYERS and len(decode) == LAYERS * (NEW_TOKENS - 1)
+    return prefill, decode
+
+
+def test_prefill_and_decode_arguments_without_padding(model, monkeypatch):
+    state = gaudi(monkeypatch)
+    greedy(model, batch([9, 9]), use_flash_attention=True)
+    prefill, decode = split_phases(state.calls)
+    for call in prefill:
+        assert call.positional_count == 8
+        assert call.arguments == {
+            "attn_mask": None,
+            "dropout_p": 0.0,
+            "is_causal": True,
+            "scale": HEAD_DIM**-0.5,
+            "softmax_mode": "None",
+            "recompute_mode": False,
+            "valid_seq_len": None,
+            "seq_padding_type": "left",
+        }
+        # Grouped-query attention: k/v keep their 2 heads, the kernel handles the 4 query heads.
+        assert call.query.shape[1] == 4 and call.key.shape[1] == call.value.shape[1] == 2
+    for call in decode:
+        assert call.arguments["attn_mask"] is None and call.arguments["is_causal"] is False
+        assert call.key.shape[1] == 2
+
+
+def test_fast_softmax_and_recompute_on_prefill_only(model, monkeypatch):
+    state = gaudi(monkeypatch)
+    greedy(
+        model,
+        batch([9, 5]),
+        use_flash_attention=True,
+        flash_attention_fast_softmax=True,
+        flash_attention_recompute=True,
+    )
+    prefill, decode = split_phases(state.calls)
+    for call in prefill:
+        assert call.arguments["softmax_mode"] == "fast" and call.arguments["recompute_mode"] is True
+        # Left padding without the causal-mask mode: the padding mask, additive, and no is_causal.
+        mask = call.arguments["attn_mask"]
+        assert call.arguments["is_causal"] is False and mask.shape == (2, 1, 9, 9) and mask.dtype == torch.float32
+        assert mask[1, 0, -1, :4].eq(torch.finfo(torch.float32).min).all() and mask[1, 0, -1, 4:].eq(0).all()
+    for call in decode:
+        assert call.arguments["softmax_mode"] == "None" and call.arguments["recompute_mode"] is False
+        assert call.arguments["is_causal"] is False and call.arguments["attn_mask"].shape[-2] == 1
+
+
+def test_causal_mask_mode_passes_int32_valid_lengths(model, monkeypatch):
+    state = gaudi(monkeypatch)
+    greedy(model, batch([9, 6]), use_flash_attention=True, flash_attention_causal_mask=True)
+    prefill, decode = split_phases(state.calls)
+    for call in prefill:
+        assert call.arguments["attn_mask"] is None and call.arguments["is_causal"] is True
+        assert call.arguments["valid_seq_len"].dtype == torch.int32
+        assert call.arguments["valid_seq_len"].tolist() == [9, 6]
+        assert call.arguments["seq_padding_type"] == "left"
+    for call in decode:
+        # The decode step still needs the mask to skip the padding; valid lengths describe prompts only.
+        assert call.arguments["valid_seq_len"] is None and call.arguments["attn_mask"] is not None
+
+
+@pytest.mark.parametrize("version", ["1.16", "1.13"])
+def test_older_gaudi_software_gets_its_own_argument_list(model, monkeypatch, version):
+    state = gaudi(monkeypatch, version)
+    greedy(model, batch([9, 9]), use_flash_attention=True, flash_attention_recompute=True)
+    prefill, decode = split_phases(state.calls)
+    expected_count = len(fake_habana.SIGNATURES[version])
+    assert all(call.positional_count == expected_count for call in state.calls)
+    # Recompute goes through the sdp_kernel context manager: on for prefill, off for decode.
+    assert [call.recompute_context for call in prefill] == [True] * LAYERS
+    assert all(call.recompute_context is False for call in decode)
+    if version == "1.16":
+        assert all(call.arguments["softmax_mode"] == "None" for call in state.calls)
+
+
+def test_old_software_with_causal_mask_mode_and_padding_warns_and_stays_correct(model, monkeypatch):
+    inputs = batch([9, 6])
+    expected = greedy(model, inputs)
+    state = gaudi(monkeypatch, "1.16")
+    dispatch.warn_once.cache_clear()
+    with pytest.warns(UserWarning, match="needs Gaudi software 1.18") as record:
+        tokens = greedy(model, inputs, use_flash_attention=True, flash_attention_causal_mask=True)
+    assert len([warning for warning in record if "1.18" in str(warning.message)]) == 1
+    assert torch.equal(tokens, expected)
+    # The padded prompt ran on the default path, the decode steps on the kernel.
+    assert len(state.calls) == LAYERS * (NEW_TOKENS - 1)
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        {"use_flash_attention": True},
+        {"use_flash_attention": True, "flash_attention_causal_mask": True},
+        {"use_flash_attention": True, "flash_attention_fast_softmax": True, "flash_attention_recompute": True},
+    ],
+    ids=["mask", "causal-mask mode", "fast softmax"],
+)
+@pytest.mark.parametrize("cache_implementation", [None, "static"])
+def test_generation_through_the_double_matches_the_default_path(model, monkeypatch, flags, cache_implementation):
+    inputs = batch([9, 4, 7])
+    expected = greedy(model, inputs, cache_implementation=cache_implementation)
+    state = gaudi(monkeypatch)
+    tokens = greedy(model, inputs, cache_implementation=cache_implementation, **flags)
+    assert len(state.calls) == LAYERS * NEW_TOKENS
+    assert torch.equal(tokens, expected)
+
+
+def test_training_recompute_and_gradients(model, monkeypatch):
+    """Backward flows through the kernel call; gradient checkpointing forces recompute on."""
+    state = gaudi(monkeypatch)
+    inputs = batch([9, 9])
+    model.train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    try:
+        loss = model(**inputs, labels=inputs["input_ids"], use_flash_attention=True).loss
+        loss.backward()
+    finally:
+        model.gradient_checkpointing_disable()
+        model.eval()
+        model.zero_grad()
+    assert state.calls and all(call.arguments["recompute_mode"] is True for call in state.calls)
+
+
+def test_hpu_tensors_without_the_gaudi_software_fall_back_with_one_warning(model, monkeypatch):
+    monkeypatch.setattr(dispatch, "on_hpu", lambda tensor: True)
+    monkeypatch.setattr(hpu, "hpu_kernel", lambda: None)
+    monkeypatch.setattr(dispatch, "hpu_kernel", lambda: None)
+    inputs = batch([9, 5])
+    expected = greedy(model, inputs)
+    dispatch.warn_once.cache_clear()
+    with pytest.warns(UserWarning, match="habana_frameworks cannot be imported") as record:
+        tokens = greedy(model, inputs, use_flash_attention=True)
+    assert len(record) == 1
+    assert torch.equal(tokens, expected)

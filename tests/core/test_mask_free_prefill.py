@@ -1,0 +1,82 @@
+"""A padded prompt on the flash path builds no N x N mask, and gives the same results as the default path."""
+
+import pytest
+import torch
+import transformers.masking_utils
+
+from optimum.habana import GaudiLlamaForCausalLM, GaudiMistralForCausalLM
+from optimum.habana.kernels import dispatch
+from optimum.habana.transformers import attention
+from tests.helpers import left_padded_batch, tiny_config, tiny_llama_config
+
+
+@pytest.fixture(scope="module")
+def model() -> GaudiLlamaForCausalLM:
+    torch.manual_seed(0)
+    return GaudiLlamaForCausalLM(tiny_llama_config()).eval()
+
+
+def spy_masks_and_kernel(monkeypatch) -> tuple[list, list]:
+    """Record the 4-D masks transformers builds and the kernel calls' masks."""
+    built, kernel_masks = [], []
+    real_mask, real_kernel = transformers.masking_utils.sdpa_mask, attention.fused_sdpa
+
+    def mask(*args, **kwargs):
+        result = real_mask(*args, **kwargs)
+        built.append(result)
+        return result
+
+    def kernel(query, key, value, attn_mask, **kwargs):
+        kernel_masks.append((query.shape[2], attn_mask, kwargs["valid_sequence_lengths"]))
+        return real_kernel(query, key, value, attn_mask, **kwargs)
+
+    for name in ("gaudi", "gaudi_fused_sdpa", "sdpa"):
+        monkeypatch.setitem(transformers.masking_utils.ALL_MASK_ATTENTION_FUNCTIONS._global_mapping, name, mask)
+    monkeypatch.setattr(attention, "fused_sdpa", kernel)
+    return built, kernel_masks
+
+
+@pytest.mark.parametrize("causal_mask", [False, True])
+def test_padded_prefill_builds_no_mask_and_keeps_the_tokens(model, monkeypatch, causal_mask):
+    inputs = left_padded_batch([12, 7, 3])
+    default = model.generate(**inputs, max_new_tokens=4, min_new_tokens=4, do_sample=False)
+    built, kernel_masks = spy_masks_and_kernel(monkeypatch)
+    flash = model.generate(
+        **inputs,
+        max_new_tokens=4,
+        min_new_tokens=4,
+        do_sample=False,
+        use_flash_attention=True,
+        flash_attention_causal_mask=causal_mask,
+    )
+    assert torch.equal(default, flash)
+    prefill = [call for call in kernel_masks if call[0] > 1]
+    assert len(prefill) == model.config.num_hidden_layers
+    for _, mask, lengths in prefill:
+        assert mask is None and lengths.tolist() == [12, 7, 3]
+    # The decode steps' masks are [B, 1, 1, kv]: only those were built.
+    assert built and all(mask.shape[-2] == 1 for mask in built if mask is not None)
+    assert model.config._attn_implementation == "gaudi"  # the temporary name is gone after the call
+
+
+def test_default_path_fallback_rebuilds_the_padding_mask(model):
+    """output_attentions sends the call to the default path, which then needs the padding after all."""
+    inputs = left_padded_batch([10, 4])
+    real = inputs["attention_mask"].bool()
+    dispatch.warn_once.cache_clear()  # another test in this process may have had the one warning already
+    with pytest.warns(UserWarning, match="output_attentions"):
+        flash = model(**inputs, use_flash_attention=True, output_attentions=True)
+    default = model(**inputs, output_attentions=True)
+    torch.testing.assert_close(flash.logits[real], default.logits[real])
+    for ours, reference in zip(flash.attentions, default.attentions, strict=True):
+        torch.testing.assert_close(ours[1, :, -1], reference[1, :, -1])
+
+
+def test_sliding_window_models_keep_their_mask(monkeypatch):
+    """The window lives in the mask: such a model's padded prompt still builds it."""
+    torch.manual_seed(0)
+    model = GaudiMistralForCausalLM(tiny_config("mistral", sliding_window=4)).eval()
+    built, kernel_masks = spy_masks_and_kernel(monkeypatch)
+    model(**left_padded_batch([9, 5]), use_flash_attention=True)
+    assert any(mask is not None and mask.shape[-2] == 9 for mask in built)
+    assert all(mask is not None for _, mask, _ in kernel_masks)

@@ -1,0 +1,158 @@
+"""Padding-free packed batches (`DataCollatorWithFlattening`): every example isolated exactly, no N x N mask.
+
+Each packed example must get the logits, the loss and the LoRA gradients it gets alone, with the flag and
+without, whether the batch carries `position_ids` alone or FlashAttention's `cu_seq_lens_*` too, and whether the
+model builds a KV cache (the default `use_cache=True`, under which stock transformers lets the examples see each
+other). With the flag, the kernel runs once per example and no mask reaches it.
+"""
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from transformers import DataCollatorWithFlattening
+
+from optimum.habana.cli.finetuning.modeling import attention_projections
+from optimum.habana.transformers import attention, packing
+from tests.helpers import FAMILIES, SLIDING_WINDOW_CONFIGS, SOFT_CAPPED, build_pair
+
+
+LENGTHS = [7, 12, 5, 9]
+
+
+def examples(seed: int = 0) -> list[dict[str, list[int]]]:
+    generator = torch.Generator().manual_seed(seed)
+    rows = [torch.randint(3, 256, (length,), generator=generator).tolist() for length in LENGTHS]
+    return [{"input_ids": row, "labels": row} for row in rows]
+
+
+def lora_model(model_type: str, **overrides):
+    ours, _ = build_pair(model_type, **overrides)
+    targets = attention_projections(ours)
+    model = get_peft_model(ours, LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False))
+    return model.train()
+
+
+def lora_gradients(model) -> dict[str, torch.Tensor]:
+    return {name: parameter.grad.clone() for name, parameter in model.named_parameters() if parameter.grad is not None}
+
+
+def packed_and_alone(model, features, flash_kwargs: bool, **call):
+    """Logits and LoRA gradients of the packed batch, and the same from each example alone."""
+    batch = DataCollatorWithFlattening(return_flash_attn_kwargs=flash_kwargs)(features)
+    model.zero_grad()
+    packed = model(**batch, **call)
+    packed.loss.backward()
+    packed_gradients = lora_gradients(model)
+
+    model.zero_grad()
+    predicted = sum(len(feature["input_ids"]) - 1 for feature in features)
+    alone_logits, alone_loss = [], 0.0
+    for feature in features:
+        ids = torch.tensor([feature["input_ids"]])
+        output = model(input_ids=ids, labels=ids, **call)
+        # The packed loss is the mean over all predicted tokens: weigh each example's mean by its token count.
+        weighted = output.loss * (ids.shape[1] - 1) / predicted
+        weighted.backward()
+        alone_loss += weighted.detach()
+        alone_logits.append(output.logits[0])
+    return (packed.logits[0], packed.loss.detach(), packed_gradients), (
+        torch.cat(alone_logits),
+        alone_loss,
+        lora_gradients(model),
+    )
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("flash_kwargs", [False, True], ids=["position_ids", "cu_seq_lens"])
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_each_packed_example_gets_its_own_loss_and_gradients(model_type, flash_kwargs):
+    model = lora_model(model_type, **SLIDING_WINDOW_CONFIGS.get(model_type, {}))
+    features = examples()
+    for call in ({}, {"use_flash_attention": True}):
+        (logits, loss, gradients), (alone_logits, alone_loss, alone_gradients) = packed_and_alone(
+            model, features, flash_kwargs, **call
+        )
+        torch.testing.assert_close(logits, alone_logits, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(loss, alone_loss, rtol=1e-5, atol=1e-5)
+        assert gradients.keys() == alone_gradients.keys() and len(gradients) > 0
+        for name, gradient in gradients.items():
+            torch.testing.assert_close(gradient, alone_gradients[name], rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_stock_transformers_mixes_the_examples_that_we_isolate():
+    """Why the Gaudi model reads the lengths itself: with a cache object (use_cache defaults to True) transformers
+    does not detect the packing, and its examples attend to each other."""
+    ours, stock = build_pair("llama")
+    stock.config._attn_implementation = "sdpa"
+    batch = DataCollatorWithFlattening()(examples())
+    batch.pop("labels")
+    ids = batch["input_ids"][:, LENGTHS[0] : LENGTHS[0] + LENGTHS[1]]
+    with torch.no_grad():
+        second_alone = stock(input_ids=ids).logits[0]
+        stock_packed = stock(**batch).logits[0, LENGTHS[0] : LENGTHS[0] + LENGTHS[1]]
+        ours_packed = ours(**batch, use_flash_attention=True).logits[0, LENGTHS[0] : LENGTHS[0] + LENGTHS[1]]
+    assert not torch.allclose(stock_packed, second_alone, atol=1e-3)
+    torch.testing.assert_close(ours_packed, second_alone, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("flash_kwargs", [False, True], ids=["position_ids", "cu_seq_lens"])
+@pytest.mark.parametrize("model_type", ["llama", "mistral"])
+def test_fused_packed_path_runs_one_maskless_call_per_example(model_type, flash_kwargs, monkeypatch):
+    """What reaches the kernel: one causal call per example and layer, each of that example's length, no mask;
+    transformers' mask construction and the default path's packed mask are never reached."""
+    overrides = {"sliding_window": 64} if model_type == "mistral" else {}  # a window longer than every example
+    ours, _ = build_pair(model_type, **overrides)
+    calls = []
+    kernel = attention.fused_sdpa
+
+    def spy(query, key, value, mask, **kwargs):
+        calls.append((query.shape[2], key.shape[2], mask, kwargs["is_causal"]))
+        return kernel(query, key, value, mask, **kwargs)
+
+    def no_mask_here(*args, **kwargs):
+        raise AssertionError("an N x N mask was built for a packed batch on the fused path")
+
+    monkeypatch.setattr(attention, "fused_sdpa", spy)
+    monkeypatch.setattr(attention, "packed_causal_mask", no_mask_here)
+    monkeypatch.setattr(attention, "sdpa_mask", no_mask_here)
+    ours.train()
+    batch = DataCollatorWithFlattening(return_flash_attn_kwargs=flash_kwargs)(examples())
+    ours(**batch, use_flash_attention=True).loss.backward()
+    layers = ours.config.num_hidden_layers
+    assert calls == [(length, length, None, True) for _ in range(layers) for length in LENGTHS]
+
+
+def test_default_path_reads_a_block_diagonal_mask_within_windows():
+    mask = packing.packed_causal_mask(((3, 2),), sliding_window=2, device=torch.device("cpu"))
+    expected = torch.tensor(
+        [
+            [1, 0, 0, 0, 0],
+            [1, 1, 0, 0, 0],
+            [0, 1, 1, 0, 0],
+            [0, 0, 0, 1, 0],
+            [0, 0, 0, 1, 1],
+        ],
+        dtype=torch.bool,
+    )
+    assert torch.equal(mask, expected[None, None])
+
+
+def test_what_counts_as_packed():
+    tokens = torch.zeros(1, 6, dtype=torch.long)
+    restart = torch.tensor([[0, 1, 2, 0, 1, 0]])
+    assert packing.packed_sequence_lengths(restart, None, None, tokens, {}) == ((3, 2, 1),)
+    assert packing.packed_sequence_lengths(torch.arange(6)[None], None, None, tokens, {}) is None
+    assert packing.packed_sequence_lengths(restart, torch.ones(1, 6), None, tokens, {}) is None  # padded, not packed
+    boundaries = {"cu_seq_lens_q": torch.tensor([0, 4, 6], dtype=torch.int32)}
+    assert packing.packed_sequence_lengths(None, None, None, tokens, boundaries) == ((4, 2),)
+    two_rows = torch.tensor([[0, 1, 0, 1, 2, 3], [0, 1, 2, 3, 0, 1]])
+    assert packing.packed_sequence_lengths(two_rows, None, None, tokens.repeat(2, 1), {}) == ((2, 4), (4, 2))
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_soft_capped_family_falls_back_to_the_packed_mask():
+    """Gemma 2's soft-capped layers take the default path, which must still isolate the examples."""
+    assert "gemma2" in SOFT_CAPPED
+    model = lora_model("gemma2", sliding_window=5)
+    (logits, _, _), (alone_logits, _, _) = packed_and_alone(model, examples(1), False, use_flash_attention=True)
+    torch.testing.assert_close(logits, alone_logits, rtol=1e-5, atol=1e-5)

@@ -1,0 +1,310 @@
+"""Tests of examples/text-generation/run_lm_eval.py (lm-evaluation-harness on the Gaudi classes).
+
+A tiny random Llama (saved with a tokenizer trained here, max 128 positions) runs the two shipped offline tasks
+through `main(argv)` in this process, with the attention flag off and on and with --buckets; a wrapper around the
+two attention paths counts their calls and records the query shapes the model's attention sees. One test starts
+the script in a subprocess, where the hub's offline switches take effect from the start.
+"""
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from optimum.habana.cli.evaluation.lm_eval.arguments import (
+    ACTING,
+    NOT_USED,
+    build_parser,
+    evaluation_notes,
+    parse_arguments,
+)
+from optimum.habana.cli.evaluation.lm_eval.harness import SHIPPED_TASKS_DIR, score_rows
+from optimum.habana.cli.evaluation.lm_eval.tasks.flash_mc import flash_mc_items
+from optimum.habana.kernels import dispatch
+from optimum.habana.transformers import attention
+from optimum.habana.utils.model_loading import CACHE_ENV_VAR
+from tests.helpers import ROOT, load_script, save_tiny_checkpoint
+
+
+SCRIPT = ROOT / "examples" / "text-generation" / "run_lm_eval.py"
+SHIPPED = ["--tasks", "essay_perplexity", "flash_mc", "-L", "2", "--batch_size", "4"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_torch_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    return save_tiny_checkpoint(tmp_path_factory.mktemp("tiny_llama"))
+
+
+@pytest.fixture(scope="module")
+def script():
+    return load_script("examples/text-generation/run_lm_eval.py")
+
+
+def recording_attention(patch: pytest.MonkeyPatch) -> list[tuple[str, tuple[int, ...]]]:
+    """Every attention call as (path, query shape [B, H, q, D]), "fused" or "default"."""
+    calls: list[tuple[str, tuple[int, ...]]] = []
+
+    def recorded(name, function):
+        def wrapper(query, *args, **kwargs):
+            calls.append((name, tuple(query.shape)))
+            return function(query, *args, **kwargs)
+
+        return wrapper
+
+    patch.setattr(attention, "fused_sdpa", recorded("fused", dispatch.fused_sdpa))
+    patch.setattr(attention, "matmul_softmax_attention", recorded("default", attention.matmul_softmax_attention))
+    return calls
+
+
+def evaluate(script, argv: list[str], output: Path) -> tuple[dict, list]:
+    with pytest.MonkeyPatch.context() as patch:
+        calls = recording_attention(patch)
+        assert script.main([*argv, "-o", str(output)]) == 0
+    return json.loads(output.read_text()), calls
+
+
+@pytest.fixture(scope="module")
+def runs(script, tiny, tmp_path_factory) -> dict[str, tuple[dict, list]]:
+    """The shipped tasks on the tiny model: flag off, flag on, flag on with buckets (one run each)."""
+    folder = tmp_path_factory.mktemp("lm_eval_runs")
+    base = [*SHIPPED, "--model_name_or_path", str(tiny)]
+    return {
+        "off": evaluate(script, base, folder / "off.json"),
+        "on": evaluate(script, [*base, "--use_flash_attention"], folder / "on.json"),
+        "buckets": evaluate(
+            script, [*base, "--use_flash_attention", "--buckets", "16", "32", "64"], folder / "b.json"
+        ),
+    }
+
+
+def assert_same_scores(first: dict, second: dict) -> None:
+    """Accuracies identical; perplexities equal to fp32 rounding (the two paths sum in different orders)."""
+    first_rows, second_rows = score_rows(first), score_rows(second)
+    assert first_rows.keys() == second_rows.keys() == {"essay_perplexity", "flash_mc"}
+    for task, metrics in first_rows.items():
+        for metric, value in metrics.items():
+            assert second_rows[task][metric] == pytest.approx(value, rel=1e-5), (task, metric)
+    assert first_rows["flash_mc"]["acc"] == second_rows["flash_mc"]["acc"]
+    assert first_rows["flash_mc"]["acc_norm"] == second_rows["flash_mc"]["acc_norm"]
+
+
+def test_shipped_tasks_run_offline_with_equal_scores_flag_on_and_off(runs):
+    assert_same_scores(runs["off"][0], runs["on"][0])
+    metrics = score_rows(runs["on"][0])
+    assert set(metrics["essay_perplexity"]) == {"word_perplexity", "byte_perplexity", "bits_per_byte"}
+    assert set(metrics["flash_mc"]) == {"acc", "acc_norm"}
+    assert runs["on"][0]["n-samples"]["flash_mc"]["effective"] == 2
+
+
+def test_the_flag_reaches_every_forward_of_both_request_types(runs):
+    off_paths = {path for path, _ in runs["off"][1]}
+    on_paths = {path for path, _ in runs["on"][1]}
+    assert off_paths == {"default"} and on_paths == {"fused"}
+    assert len(runs["off"][1]) == len(runs["on"][1])
+    # Rolling windows fill the 128 positions; multiple-choice requests are a few tokens long.
+    lengths = {shape[2] for _, shape in runs["on"][1]}
+    assert 128 in lengths and min(lengths) < 40
+
+
+def test_output_file_holds_lm_evals_results_plus_args_and_duration(runs):
+    results = runs["on"][0]
+    assert {"results", "configs", "versions", "n-shot", "config", "args", "duration"} <= results.keys()
+    assert results["duration"] > 0
+    assert results["args"]["use_flash_attention"] is True
+    assert results["args"]["tasks"] == ["essay_perplexity", "flash_mc"]
+    assert results["args"]["output_file"].endswith("on.json")
+
+
+def test_buckets_pad_every_batch_and_keep_the_scores(runs):
+    assert_same_scores(runs["on"][0], runs["buckets"][0])
+    unbucketed = {shape[2] for _, shape in runs["on"][1]}
+    bucketed = {shape[2] for _, shape in runs["buckets"][1]}
+    assert not unbucketed <= {16, 32, 64, 128}  # without buckets each batch keeps its own length
+    assert bucketed <= {16, 32, 64, 128} and 128 in bucketed  # the 128-token windows add their own bucket
+    assert {path for path, _ in runs["buckets"][1]} == {"fused"}
+
+
+@pytest.mark.parametrize("model_type", ["qwen2", "phi3"])
+def test_other_families_run_with_every_call_fused(script, tmp_path, model_type):
+    checkpoint = save_tiny_checkpoint(tmp_path / model_type, model_type=model_type)
+    argv = ["--tasks", "flash_mc", "-L", "2", "--model_name_or_path", str(checkpoint), "--use_flash_attention"]
+    results, calls = evaluate(script, argv, tmp_path / "out.json")
+    assert "acc,none" in results["results"]["flash_mc"]
+    assert calls and {path for path, _ in calls} == {"fused"}
+
+
+def test_an_existing_output_file_is_kept_without_overwrite(script, tiny, tmp_path, capsys):
+    output = tmp_path / "results.json"
+    output.write_text("earlier results")
+    with pytest.raises(SystemExit) as raised:
+        script.main([*SHIPPED, "--model_name_or_path", str(tiny), "-o", str(output)])
+    assert raised.value.code == 2
+    error = capsys.readouterr().err.strip().splitlines()
+    assert len(error) == 1 and "--overwrite" in error[0] and "-o/--output_file" in error[0]
+    assert output.read_text() == "earlier results"
+
+
+def write_user_task(folder: Path) -> Path:
+    """A generate_until task of the user's own, over a local JSON-lines file."""
+    folder.mkdir()
+    rows = [{"question": f"{a} plus {b}", "answer": str(a + b)} for a, b in [(1, 2), (3, 4), (10, 5), (7, 7)]]
+    data = folder / "sums.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    (folder / "my_sums.yaml").write_text(
+        "task: my_sums\n"
+        "dataset_path: json\n"
+        f"dataset_kwargs:\n  data_files:\n    test: {data}\n  cache_dir: {folder / 'cache'}\n"
+        "output_type: generate_until\n"
+        "test_split: test\n"
+        'doc_to_text: "Q: What is {{question}}?\\nA:"\n'
+        'doc_to_target: "{{answer}}"\n'
+        "generation_kwargs:\n  until: ['\\n']\n  max_gen_toks: 6\n  do_sample: false\n"
+        "metric_list:\n  - metric: exact_match\n"
+    )
+    return folder
+
+
+def test_a_user_task_folder_runs_generate_until_with_the_flag(script, tiny, tmp_path):
+    folder = write_user_task(tmp_path / "tasks")
+    base = ["--tasks", "my_sums", "--include_path", str(folder), "--model_name_or_path", str(tiny), "--log_samples"]
+    base += ["--batch_size", "4"]
+    off, off_calls = evaluate(script, base, tmp_path / "off.json")
+    on, on_calls = evaluate(script, [*base, "--use_flash_attention", "--buckets", "32"], tmp_path / "on.json")
+    assert "exact_match,none" in on["results"]["my_sums"]
+    assert {path for path, _ in off_calls} == {"default"} and {path for path, _ in on_calls} == {"fused"}
+    # The prompt's forward (padded to the bucket) and every decode step (one query position) go through the flag.
+    assert {shape[2] for _, shape in on_calls} == {32, 1}
+    answers = [[sample["resps"] for sample in run["samples"]["my_sums"]] for run in (off, on)]
+    assert answers[0] == answers[1]  # the same greedy tokens
+
+
+def test_generate_until_gives_the_same_answers_with_every_kv_cache_layout(script, tiny, tmp_path):
+    folder = write_user_task(tmp_path / "tasks")
+    base = ["--tasks", "my_sums", "--include_path", str(folder), "--model_name_or_path", str(tiny), "--log_samples"]
+    base += ["--batch_size", "2", "--use_flash_attention"]
+    answers = []
+    for index, layout in enumerate([[], ["--static_shapes"], ["--bucket_size", "16", "--bucket_internal"]]):
+        results, calls = evaluate(script, [*base, *layout], tmp_path / f"{index}.json")
+        answers.append([sample["resps"] for sample in results["samples"]["my_sums"]])
+        assert {path for path, _ in calls} == {"fused"}
+    no_cache, _ = evaluate(script, [*base, "--use_kv_cache", "False"], tmp_path / "no_cache.json")
+    answers.append([sample["resps"] for sample in no_cache["samples"]["my_sums"]])
+    assert all(answer == answers[0] for answer in answers)
+
+
+def test_a_hub_task_offline_fails_with_one_line_before_the_model_loads(tiny, tmp_path):
+    output = tmp_path / "out.json"
+    environment = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    environment[CACHE_ENV_VAR] = str(tmp_path / "cache")
+    result = subprocess.run(
+        [sys.executable, str(SCRIPT), "-o", str(output), "--tasks", "hellaswag", "--model_name_or_path", str(tiny)],
+        capture_output=True,
+        text=True,
+        env=environment,
+        cwd=ROOT,
+        timeout=300,
+        check=False,
+    )
+    assert result.returncode == 1, result.stderr
+    assert "Traceback" not in result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("run_lm_eval.py: error:")]
+    assert len(errors) == 1
+    assert "hellaswag" in errors[0] and "Rowan/hellaswag" in errors[0] and "HF_DATASETS_OFFLINE=1" in errors[0]
+    assert "essay_perplexity flash_mc" in errors[0]
+    assert "Model:" not in result.stdout and not output.exists()
+
+
+@pytest.mark.parametrize(
+    ("argv", "flag"),
+    [
+        (["-L", "0"], "-L/--limit"),
+        (["--limit", "nan"], "--limit"),
+        (["-f", "-1"], "-f/--num_fewshot"),
+        (["--buckets", "64", "0"], "--buckets"),
+        (["--max_graphs", "0"], "--max_graphs"),
+        (["--gen_kwargs", "temperature"], "--gen_kwargs"),
+        (["--metadata", "[1, 2]"], "--metadata"),
+        (["--metadata", "{oops"], "--metadata"),
+        (["--fewshot_as_multiturn"], "--apply_chat_template"),
+        (["--include_path", "/no/such/folder"], "--include_path"),
+        (["--batch_size", "0"], "--batch_size"),
+        (["--tasks", " "], "--tasks"),
+        (["--flash_attention_recompute"], "use_flash_attention"),
+        (["--bf16", "maybe"], "--bf16"),
+    ],
+)
+def test_bad_values_exit_2_naming_the_flag(script, tmp_path, capsys, argv, flag):
+    with pytest.raises(SystemExit) as raised:
+        script.main(["-o", str(tmp_path / "out.json"), *argv])
+    assert raised.value.code == 2
+    error = capsys.readouterr().err
+    assert flag in error and "Traceback" not in error
+    assert not (tmp_path / "out.json").exists()
+
+
+def test_the_output_file_is_required_and_cannot_be_a_folder(script, tmp_path, capsys):
+    with pytest.raises(SystemExit) as raised:
+        script.main(["--tasks", "flash_mc"])
+    error = capsys.readouterr().err
+    assert raised.value.code == 2 and "required" in error and "-o" in error and "--output_file" in error
+    with pytest.raises(SystemExit) as raised:
+        script.main(["-o", str(tmp_path)])
+    assert raised.value.code == 2 and "is a folder" in capsys.readouterr().err
+
+
+def test_flags_that_do_nothing_here_say_so_in_one_line_each(tmp_path):
+    given_flags = ["--prompt", "--n_iterations", "--output_dir", "--max_graphs", "--ignore_eos", "--warmup", "--chat"]
+    argv = ["-o", str(tmp_path / "out.json"), "--prompt", "hi", "--n_iterations", "2", "--output_dir", str(tmp_path)]
+    argv += ["--max_graphs", "4", "--no-ignore_eos", "--warmup", "2", "--use_hpu_graphs", "--chat"]
+    argv += ["--trim_logits", "--attn_batch_split", "2"]
+    given_flags += ["--trim_logits", "--attn_batch_split"]
+    arguments, given = parse_arguments(build_parser(), argv)
+    notes = evaluation_notes(arguments, given, torch.device("cpu"), torch.float32)
+    for flag in [*given_flags, "--use_hpu_graphs"]:
+        assert len([note for note in notes if re.match(rf"{flag}[: ]", note)]) == 1, (flag, notes)
+    arguments, given = parse_arguments(build_parser(), ["-o", str(tmp_path / "out.json"), "--continuous_batching"])
+    assert evaluation_notes(arguments, given, torch.device("cpu"), torch.float32)[0].startswith(
+        "--continuous_batching:"
+    )
+    arguments, given = parse_arguments(build_parser(), ["-o", str(tmp_path / "out.json")])
+    assert not evaluation_notes(arguments, given, torch.device("cpu"), torch.float32)
+
+
+def test_every_flag_acts_or_has_its_line():
+    """A flag added to run_generation.py's dataclasses must be sorted here: acting, or one line saying it does not."""
+    destinations = {action.dest for action in build_parser()._actions} - {"help"}
+    assert destinations <= ACTING | NOT_USED.keys(), destinations - ACTING - NOT_USED.keys()
+    assert not ACTING & NOT_USED.keys()
+
+
+def test_flash_mc_is_the_generators_output_with_its_licence():
+    items = flash_mc_items.generate_items()
+    assert flash_mc_items.items_text(items) == flash_mc_items.ITEMS_PATH.read_text(encoding="utf-8")
+    test_items = [item for item in items if item["split"] == "test"]
+    assert len(test_items) >= 200
+    assert all(len(set(item["choices"])) == 4 and 0 <= item["answer"] < 4 for item in items)
+    assert len({item["question"] for item in items}) == len(items)
+    readme = (SHIPPED_TASKS_DIR / "README.md").read_text()
+    assert "Apache-2.0" in readme and "written for this project" in readme
+
+
+def test_setup_ships_every_task_file():
+    setup = (ROOT / "setup.py").read_text()
+    patterns = re.search(r'"optimum\.habana\.cli\.evaluation\.lm_eval": \[([^\]]*)\]', setup).group(1)
+    package = ROOT / "optimum" / "habana" / "cli" / "evaluation" / "lm_eval"
+    shipped = {path for pattern in re.findall(r'"([^"]+)"', patterns) for path in package.glob(pattern)}
+    data_files = {path for path in SHIPPED_TASKS_DIR.rglob("*") if path.suffix in {".yaml", ".jsonl", ".md"}}
+    assert data_files and data_files <= shipped

@@ -1,0 +1,563 @@
+"""Bad input and faults for examples/language-modeling/run_lora_clm.py: each refused with its exit status and a
+one-line message that says what is wrong, nothing of an earlier run lost, and a killed run resumable.
+
+The table cases run `main(argv)` in-process (SystemExit carries the status); subprocesses only where a real signal
+is the point. Everything runs on the tiny Llama and word-level tokenizer of tests/test_run_lora_clm.py.
+"""
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import LlamaForCausalLM, TrainerCallback
+
+from optimum.habana.utils import devices
+from optimum.habana.utils.atomic import current_umask
+from optimum.habana.utils.model_loading import CACHE_ENV_VAR
+from tests.finetuning.support import SCRIPT, build_tokenizer, save_word_level_checkpoint, script_args
+from tests.helpers import ROOT, load_script, write_gguf
+
+
+DRIVER = ROOT / "tests" / "fault_driver.py"
+PROG = "run_lora_clm.py: "
+TRAIN = (
+    "--do_train --max_steps 2 --per_device_train_batch_size 4 --validation_split_percentage 0 --max_seq_length 64 "
+    "--lora_dropout 0 --logging_steps 1"
+)
+SAVE_EVERY_STEP = ["--save_strategy", "steps", "--save_steps", "1"]
+ADAPTER = "adapter_model.safetensors"
+
+
+@pytest.fixture(scope="module")
+def script():
+    return load_script("examples/language-modeling/run_lora_clm.py")
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    return save_word_level_checkpoint(tmp_path_factory.mktemp("tiny_llama"), build_tokenizer())
+
+
+@pytest.fixture(scope="module")
+def earlier_run(script, checkpoint, tmp_path_factory) -> Path:
+    """A finished run: checkpoint-1, checkpoint-2, and the adapter with its results at the top."""
+    output_dir = tmp_path_factory.mktemp("earlier")
+    script.main(script_args(checkpoint, output_dir, *TRAIN.split(), *SAVE_EVERY_STEP))
+    return output_dir
+
+
+@pytest.fixture(scope="module")
+def nan_checkpoint(tmp_path_factory) -> Path:
+    """The tiny Llama with one nan weight: its loss is nan from the first step."""
+    tokenizer = build_tokenizer()
+    folder = save_word_level_checkpoint(tmp_path_factory.mktemp("nan_llama"), tokenizer)
+    model = LlamaForCausalLM.from_pretrained(folder)
+    with torch.no_grad():
+        model.model.layers[0].mlp.down_proj.weight[0, 0] = float("nan")
+    model.save_pretrained(folder)
+    return folder
+
+
+@dataclass
+class Context:
+    """What a case may build its command line from."""
+
+    tmp: Path
+    checkpoint: Path
+    earlier: Path
+    nan_checkpoint: Path
+    out: Path = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.out = self.tmp / "out"
+
+    def args(self, *extra: str, model: Path | None = None) -> list[str]:
+        return script_args(model or self.checkpoint, self.out, *TRAIN.split(), *extra)
+
+    def file(self, name: str, content: str | bytes) -> str:
+        path = self.tmp / name
+        path.write_bytes(content if isinstance(content, bytes) else content.encode())
+        return str(path)
+
+    def copied_checkpoint(self, damage: Callable[[Path], None] = lambda path: None) -> str:
+        copy = self.tmp / "resume-from" / "checkpoint-2"
+        shutil.copytree(self.earlier / "checkpoint-2", copy)
+        damage(copy)
+        return str(copy)
+
+
+class RaiseAt(TrainerCallback):
+    """Raises `error` when training step `step` begins, optionally leaving a half-written checkpoint first."""
+
+    def __init__(self, error: BaseException, step: int = 1, partial_checkpoint: bool = False) -> None:
+        self.error, self.step, self.partial_checkpoint = error, step, partial_checkpoint
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if state.global_step + 1 == self.step:
+            if self.partial_checkpoint:  # what a run stopped while saving checkpoint-N leaves
+                partial = Path(args.output_dir) / f"checkpoint-{self.step}"
+                partial.mkdir()
+                (partial / ADAPTER).write_bytes(b"half")
+            raise self.error
+
+
+@dataclass
+class Case:
+    argv: Callable[[Context], list[str]]
+    status: int
+    words: list[str]
+    before_load: bool = True  # refused before the model is loaded
+    callbacks: Callable[[], list[TrainerCallback]] = list
+
+
+JSONL_ROW = '{"instruction": "Name a color.", "input": "", "output": "red"}\n'
+LATIN_1_ROW = '{"instruction": "Café?", "output": "Yes."}\n'.encode("latin-1")
+
+CASES = {
+    # nothing lost: output folder
+    "non-empty output_dir": Case(
+        lambda c: (c.out.mkdir(), (c.out / ADAPTER).write_text("earlier"), c.args())[-1],
+        2,
+        ["not empty", ADAPTER, "--overwrite_output_dir", "--resume_from_checkpoint"],
+    ),
+    "output_dir is a file": Case(lambda c: c.args("--output_dir", c.file("taken", "x")), 2, ["is a file"]),
+    "output_dir not writable": Case(
+        lambda c: c.args("--output_dir", c.file("taken", "x") + "/sub"), 2, ["cannot be written"]
+    ),
+    # non-finite numbers and seeds, refused before anything loads
+    "--lora_alpha nan": Case(lambda c: c.args("--lora_alpha", "nan"), 2, ["--lora_alpha", "finite", "nan"]),
+    "--learning_rate inf": Case(lambda c: c.args("--learning_rate", "inf"), 2, ["--learning_rate", "inf"]),
+    "--weight_decay -inf": Case(lambda c: c.args("--weight_decay=-inf"), 2, ["--weight_decay", "-inf"]),
+    "--seed -1": Case(lambda c: c.args("--seed", "-1"), 2, ["--seed", "-1", "4294967295"]),
+    "--data_seed 2**32": Case(lambda c: c.args("--data_seed", str(2**32)), 2, ["--data_seed", "4294967296"]),
+    # nothing silent: data
+    "row without an answer": Case(
+        lambda c: c.args("--train_file", c.file("d.jsonl", JSONL_ROW * 2 + '{"instruction": "Why?"}\n')),
+        2,
+        ["d.jsonl", "line 3", "'output'", "missing or null"],
+    ),
+    "null answer after a blank line": Case(
+        lambda c: c.args("--train_file", c.file("d.jsonl", JSONL_ROW + "\n" + JSONL_ROW.replace('"red"', "null"))),
+        2,
+        ["line 3", "'output'"],
+    ),
+    "csv row without an instruction": Case(
+        lambda c: c.args("--train_file", c.file("d.csv", "instruction,input,output\nAdd.,1 2,3\n,,red\n")),
+        2,
+        ["d.csv", "line 3", "'instruction'"],
+    ),
+    "non-UTF-8 data file": Case(
+        lambda c: c.args("--train_file", c.file("d.jsonl", JSONL_ROW.encode() + LATIN_1_ROW)),
+        2,
+        ["d.jsonl", "not UTF-8", "line 2", "\\xe9"],
+    ),
+    "NUL bytes in the data": Case(
+        lambda c: c.args("--train_file", c.file("d.txt", b"flash attention\n" + bytes(4096))),
+        2,
+        ["d.txt", "is not text: line 2 holds a NUL byte at column 1"],
+    ),
+    "--max_seq_length beyond the model's positions": Case(
+        lambda c: c.args("--max_seq_length", "4096"),
+        2,
+        ["--max_seq_length 4096 is beyond the model's 2048 positions", "--max_seq_length 2048 or less"],
+    ),
+    "--max_seq_length 1e9 with packing": Case(
+        lambda c: c.args("--max_seq_length", str(10**9), "--dataset_concatenation"),
+        2,
+        [f"--max_seq_length {10**9} is beyond"],
+    ),
+    "gaudi_spawn.py's flags with --bf16": Case(
+        lambda c: c.args("--bf16", "True", "--use_lazy_mode", "--world_size", "8", "--use_deepspeed"),
+        2,
+        ["unrecognized arguments: --world_size 8 --use_deepspeed"]
+        + ([] if torch.cuda.is_available() else ["--use_deepspeed; Your setup doesn't support bf16"]),
+    ),
+    "--padding_free with --dataset_concatenation": Case(
+        lambda c: c.args("--padding_free", "--dataset_concatenation"),
+        2,
+        ["--padding_free and --dataset_concatenation both pack the examples", "Choose one"],
+    ),
+    "unknown LoRA target": Case(
+        lambda c: c.args("--lora_target_modules", "q_proj", "v_prj"),
+        2,
+        ["--lora_target_modules", "'v_prj'", "k_proj", "o_proj", "down_proj"],
+        before_load=False,
+    ),
+    # resuming
+    "resume True without a checkpoint": Case(
+        lambda c: c.args("--resume_from_checkpoint", "True"), 2, ["--resume_from_checkpoint True", "no complete"]
+    ),
+    "resume from a missing folder": Case(
+        lambda c: c.args("--resume_from_checkpoint", str(c.tmp / "nowhere")), 2, ["nowhere", "not a folder"]
+    ),
+    "resume from an incomplete checkpoint": Case(
+        lambda c: c.args(
+            "--resume_from_checkpoint", c.copied_checkpoint(lambda path: (path / "trainer_state.json").unlink())
+        ),
+        2,
+        ["checkpoint-2", "no trainer_state.json"],
+    ),
+    "resume with a junk adapter_config.json": Case(
+        lambda c: c.args(
+            "--resume_from_checkpoint",
+            c.copied_checkpoint(lambda path: (path / "adapter_config.json").write_text('{"r": 8,')),
+        ),
+        2,
+        ["adapter_config.json", "not valid JSON"],
+    ),
+    "resume from an adapter folder without weights": Case(
+        lambda c: c.args("--resume_from_checkpoint", c.copied_checkpoint(lambda path: (path / ADAPTER).unlink())),
+        2,
+        ["checkpoint-2", "no weights", ADAPTER],
+    ),
+    "resume from truncated adapter weights": Case(
+        lambda c: c.args(
+            "--resume_from_checkpoint",
+            c.copied_checkpoint(lambda path: os.truncate(path / ADAPTER, 100)),
+        ),
+        2,
+        [ADAPTER, "damaged or truncated"],
+    ),
+    "overwrite and resume True": Case(
+        lambda c: c.args("--overwrite_output_dir", "--resume_from_checkpoint", "True"),
+        2,
+        ["--overwrite_output_dir and --resume_from_checkpoint True contradict", "Choose one"],
+    ),
+    "resume another run's checkpoint": Case(
+        lambda c: c.args("--resume_from_checkpoint", c.copied_checkpoint(), "--learning_rate", "5e-4", "--seed", "7"),
+        2,
+        ["checkpoint-2", "other arguments", "--learning_rate 5e-05 there, 0.0005 here", "--seed 0 there, 7 here"],
+    ),
+    "resume with another --max_steps": Case(
+        lambda c: c.args("--resume_from_checkpoint", c.copied_checkpoint(), "--max_steps", "3"),
+        2,
+        ["--max_steps 2 there, 3 here", "--overwrite_output_dir"],
+    ),
+    "resume with other data": Case(
+        lambda c: c.args(
+            "--resume_from_checkpoint", c.copied_checkpoint(), "--train_file", c.file("d.jsonl", JSONL_ROW)
+        ),
+        2,
+        ["--train_file", "instructions.jsonl there", "d.jsonl here"],
+    ),
+    "resume with another LoRA rank": Case(
+        lambda c: c.args("--resume_from_checkpoint", c.copied_checkpoint(), "--lora_rank", "4"),
+        2,
+        ["other arguments", "--lora_rank 8 there, 4 here"],
+    ),
+    "resume an unrecorded checkpoint with another LoRA rank": Case(
+        lambda c: c.args("--resume_from_checkpoint", c.copied_checkpoint(without_record), "--lora_rank", "4"),
+        2,
+        ["does not fit", "lora_A", "[8, 64]", "[4, 64]", "--lora_rank"],
+        before_load=False,
+    ),
+    # the model
+    "checkpoint folder without a tokenizer": Case(
+        lambda c: c.args(
+            model=Path(
+                shutil.copytree(c.checkpoint, c.tmp / "no-tokenizer", ignore=shutil.ignore_patterns("tokenizer*"))
+            )
+        ),
+        2,
+        ["no-tokenizer", "has no tokenizer", "tokenizer.save_pretrained"],
+        before_load=False,
+    ),
+    "truncated model.safetensors": Case(
+        lambda c: c.args(model=truncated_weights(c)),
+        2,
+        ["truncated_weights/model.safetensors is damaged or truncated", "header claims", "the checkpoint is damaged"],
+        before_load=False,
+    ),
+    "truncated .gguf": Case(
+        lambda c: c.args(model=truncated_gguf(c.tmp)), 2, ["truncated.gguf", "truncated or damaged"], before_load=False
+    ),
+    # faults during training
+    "non-finite loss": Case(
+        lambda c: c.args(model=c.nan_checkpoint),
+        1,
+        ["loss is nan at step 1", "not saved", "--learning_rate"],
+        before_load=False,
+    ),
+    "out of memory": Case(
+        lambda c: c.args(),
+        1,
+        ["out of memory on cpu while training", "--per_device_train_batch_size 4", "--max_seq_length 64"],
+        before_load=False,
+        callbacks=lambda: [RaiseAt(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"), 2)],
+    ),
+    "Ctrl-C while saving a checkpoint": Case(
+        lambda c: c.args(*SAVE_EVERY_STEP),
+        130,
+        ["interrupted: Ctrl-C while training", "checkpoint-1", "--resume_from_checkpoint True"],
+        before_load=False,
+        callbacks=lambda: [RaiseAt(KeyboardInterrupt(), 2, partial_checkpoint=True)],
+    ),
+}
+
+
+def without_record(checkpoint: Path) -> None:
+    """What a checkpoint saved by another tool (or before the run record existed) looks like."""
+    state_file = checkpoint / "trainer_state.json"
+    state = json.loads(state_file.read_text())
+    del state["stateful_callbacks"]["RunArguments"]
+    state_file.write_text(json.dumps(state))
+
+
+def truncated_weights(context: Context) -> Path:
+    copy = Path(shutil.copytree(context.checkpoint, context.tmp / "truncated_weights"))
+    os.truncate(copy / "model.safetensors", 1000)
+    return copy
+
+
+def truncated_gguf(folder: Path) -> Path:
+    path = write_gguf(folder / "truncated.gguf", arch="llama")
+    os.truncate(path, path.stat().st_size - 64)
+    return path
+
+
+def snapshot(folder: Path) -> dict[str, bytes]:
+    if not folder.is_dir():
+        return {}
+    return {str(path.relative_to(folder)): path.read_bytes() for path in folder.rglob("*") if path.is_file()}
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_bad_input_and_faults(name, script, checkpoint, earlier_run, nan_checkpoint, tmp_path, monkeypatch, capsys):
+    case = CASES[name]
+    monkeypatch.setenv(CACHE_ENV_VAR, str(tmp_path / "cache"))
+    context = Context(tmp_path, checkpoint, earlier_run, nan_checkpoint)
+    argv = case.argv(context)
+    before = snapshot(context.out)
+    if case.before_load:
+
+        def must_not_load(*args, **kwargs):
+            raise AssertionError("the model was loaded before the bad input was refused")
+
+        monkeypatch.setattr(script, "load_model_and_tokenizer", must_not_load)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        script.main(argv, callbacks=case.callbacks())
+    stderr = capsys.readouterr().err
+    assert exit_info.value.code == case.status, stderr
+    assert "Traceback" not in stderr
+    last_line = stderr.strip().splitlines()[-1]
+    assert last_line.startswith(PROG), last_line
+    for word in case.words:
+        assert word in last_line, (word, last_line)
+    # Nothing of an earlier run changed, nothing half-written, and no adapter saved as a success.
+    after = snapshot(context.out)
+    if case.status == 2:
+        assert after == before
+    else:
+        assert ADAPTER not in after and "all_results.json" not in after
+        assert not [name for name in after if ".staging-" in name or name.endswith(".tmp")]
+        for folder in context.out.glob("checkpoint-*"):
+            assert (folder / "trainer_state.json").is_file(), f"{folder} is incomplete"
+    if name == "Ctrl-C while saving a checkpoint":
+        assert sorted(path.name for path in context.out.iterdir()) == ["checkpoint-1"]
+
+
+# --- what the refusals point to works ----------------------------------------------------------------------------
+
+
+def test_overwrite_output_dir_replaces_the_earlier_run(script, checkpoint, earlier_run, tmp_path):
+    output_dir = shutil.copytree(earlier_run, tmp_path / "out")
+    earlier_adapter = (output_dir / ADAPTER).read_bytes()
+    script.main(script_args(checkpoint, output_dir, *TRAIN.split(), "--overwrite_output_dir", "--seed", "1"))
+    assert (output_dir / ADAPTER).read_bytes() != earlier_adapter
+    assert (output_dir / ADAPTER).stat().st_mode & 0o777 == 0o666 & ~current_umask()  # safetensors writes 0600
+    assert not [path for path in output_dir.iterdir() if path.name.startswith(".")]
+
+
+def test_resume_true_continues_from_the_last_checkpoint_and_keeps_the_others(
+    script, checkpoint, earlier_run, tmp_path
+):
+    output_dir = shutil.copytree(earlier_run, tmp_path / "out")
+    shutil.rmtree(output_dir / "checkpoint-2")
+    kept = snapshot(output_dir / "checkpoint-1")
+    extra = ["--resume_from_checkpoint", "True", *SAVE_EVERY_STEP]
+    script.main(script_args(checkpoint, output_dir, *TRAIN.split(), *extra))
+    state = json.loads((output_dir / "trainer_state.json").read_text())
+    assert state["global_step"] == 2
+    assert [entry["step"] for entry in state["log_history"] if "loss" in entry] == [1, 2]  # step 1 resumed
+    assert snapshot(output_dir / "checkpoint-1") == kept
+
+
+class InterruptAfterSave(TrainerCallback):
+    """Ctrl-C right after checkpoint-`step` is complete: a run killed between two checkpoints."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_save(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            raise KeyboardInterrupt
+
+
+def test_overwrite_then_resume_continues_the_new_run_not_the_earlier_one(
+    script, checkpoint, earlier_run, tmp_path, caplog
+):
+    """Run A left checkpoint-1 and -2; run B (--overwrite_output_dir, other learning rate and seed) is stopped after
+    its checkpoint-1. A resume then continues B, and a resume with A's arguments is refused."""
+    output_dir = shutil.copytree(earlier_run, tmp_path / "out")
+    run_b = [*TRAIN.split(), *SAVE_EVERY_STEP, "--learning_rate", "5e-4", "--seed", "7", "--max_steps", "3"]
+    with pytest.raises(SystemExit) as exit_info:
+        script.main(script_args(checkpoint, output_dir, *run_b, "--overwrite_output_dir"), [InterruptAfterSave(1)])
+    assert exit_info.value.code == 130
+    assert f"removed the earlier run's checkpoint-1, checkpoint-2 from {output_dir}" in caplog.text
+    assert sorted(path.name for path in output_dir.glob("checkpoint-*")) == ["checkpoint-1"]
+    recorded = json.loads((output_dir / "checkpoint-1" / "trainer_state.json").read_text())
+    assert recorded["stateful_callbacks"]["RunArguments"]["args"]["learning_rate"] == 5e-4
+
+    with pytest.raises(SystemExit) as exit_info:  # run A's command line
+        script.main(script_args(checkpoint, output_dir, *TRAIN.split(), "--resume_from_checkpoint", "True"))
+    assert exit_info.value.code == 2
+
+    script.main(script_args(checkpoint, output_dir, *run_b, "--resume_from_checkpoint", "True"))
+    state = json.loads((output_dir / "trainer_state.json").read_text())
+    assert state["global_step"] == 3 and state["max_steps"] == 3
+    assert [entry["learning_rate"] for entry in state["log_history"] if "loss" in entry][0] == pytest.approx(5e-4)
+
+
+def test_resuming_a_checkpoint_without_a_record_says_it_cannot_check(
+    script, checkpoint, earlier_run, tmp_path, caplog
+):
+    output_dir = shutil.copytree(earlier_run, tmp_path / "out")
+    shutil.rmtree(output_dir / "checkpoint-2")
+    without_record(output_dir / "checkpoint-1")
+    script.main(script_args(checkpoint, output_dir, *TRAIN.split(), "--resume_from_checkpoint", "True"))
+    assert "holds no record of its run's arguments" in caplog.text
+    assert json.loads((output_dir / "trainer_state.json").read_text())["global_step"] == 2
+
+
+def test_results_replace_a_symlink_instead_of_writing_through_it(script, checkpoint, tmp_path):
+    outside = tmp_path / "someone-elses.json"
+    outside.write_text("precious")
+    output_dir = tmp_path / "out"
+    output_dir.mkdir()
+    (output_dir / "all_results.json").symlink_to(outside)
+    script.main(script_args(checkpoint, output_dir, *TRAIN.split(), "--overwrite_output_dir"))
+    assert outside.read_text() == "precious"
+    results = output_dir / "all_results.json"
+    assert not results.is_symlink() and json.loads(results.read_text())["train_loss"] > 0
+
+
+def test_staging_left_by_a_killed_run_is_removed_and_does_not_count(script, checkpoint, tmp_path):
+    output_dir = tmp_path / "out"
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = output_dir / f".staging-{socket.gethostname()}~{dead.pid}~beef.tmp"
+    stale.mkdir(parents=True)
+    (stale / ADAPTER).write_bytes(b"half")
+    script.main(script_args(checkpoint, output_dir, *TRAIN.split()))
+    assert not stale.exists() and (output_dir / ADAPTER).is_file()
+
+
+def test_skipped_rows_are_counted(script, checkpoint, tmp_path, caplog):
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"text": "flash attention saves memory"}\n{"text": " "}\n' * 4)
+    script.main(script_args(checkpoint, tmp_path / "out", *TRAIN.split(), "--train_file", str(data)))
+    assert "skipped 4 rows with a blank text" in caplog.text
+    caplog.clear()
+    long_prompt = '{"instruction": "' + "word " * 80 + '", "output": "x"}\n'
+    data.write_text(JSONL_ROW * 4 + long_prompt)
+    script.main(script_args(checkpoint, tmp_path / "out2", *TRAIN.split(), "--train_file", str(data)))
+    assert "Skipped 1 of 5 examples" in caplog.text
+
+
+def test_bf16_on_a_cpu_that_emulates_it_is_said_once(script, checkpoint, tmp_path, caplog, monkeypatch):
+    monkeypatch.setattr(devices, "cpu_has_native_bf16", lambda: False)
+    argv = [*TRAIN.split(), "--max_steps", "1", "--use_cpu", "--bf16", "True"]
+    script.main(script_args(checkpoint, tmp_path / "out", *argv))
+    assert caplog.text.count("bfloat16 on this CPU is emulated") == 1
+
+
+# --- real signals during training, then a rerun that resumes -----------------------------------------------------
+
+
+def start_training(checkpoint: Path, output_dir: Path, *extra: str) -> subprocess.Popen:
+    argv = script_args(checkpoint, output_dir, *TRAIN.split(), *SAVE_EVERY_STEP, *extra)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen(
+        [sys.executable, str(SCRIPT), *argv], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+
+
+def wait_for(path: Path, process: subprocess.Popen, timeout: float = 180) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert process.poll() is None, process.communicate()[1][-3000:]
+        assert time.monotonic() < deadline, f"{path} never appeared"
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL], ids=["SIGINT", "kill -9"])
+def test_training_killed_then_resumed_loses_nothing(script, checkpoint, tmp_path, sig):
+    output_dir = tmp_path / "out"
+    process = start_training(checkpoint, output_dir, "--max_steps", "30")
+    wait_for(output_dir / "checkpoint-2" / "trainer_state.json", process)
+    process.send_signal(sig)
+    _, stderr = process.communicate(timeout=120)
+    if sig == signal.SIGINT:
+        assert process.returncode == 130, stderr[-3000:]
+        assert "Traceback" not in stderr
+        assert stderr.strip().splitlines()[-1].startswith(f"{PROG}interrupted: Ctrl-C while training")
+        # No partial files: every checkpoint is complete, nothing staged, no adapter claimed as final.
+        names = [path.name for path in output_dir.iterdir()]
+        assert all(name.startswith("checkpoint-") for name in names), names
+        assert all((output_dir / name / "trainer_state.json").is_file() for name in names)
+    else:
+        assert process.returncode == -signal.SIGKILL
+    complete = sorted(
+        int(path.name.split("-")[1])
+        for path in output_dir.glob("checkpoint-*")
+        if (path / "trainer_state.json").is_file()
+    )
+    assert complete and complete[-1] < 30, complete  # stopped before its end
+    kept = {step: snapshot(output_dir / f"checkpoint-{step}") for step in complete}
+
+    # The rerun's exit status is not the point: in-process.
+    resume = ["--resume_from_checkpoint", "True", "--max_steps", "30"]  # the same run: refused otherwise
+    script.main(script_args(checkpoint, output_dir, *TRAIN.split(), *SAVE_EVERY_STEP, *resume))
+    state = json.loads((output_dir / "trainer_state.json").read_text())
+    assert state["global_step"] == 30
+    assert [entry["step"] for entry in state["log_history"] if "loss" in entry] == list(range(1, 31))
+    assert (output_dir / ADAPTER).is_file()
+    for step, files in kept.items():
+        assert snapshot(output_dir / f"checkpoint-{step}") == files, step
+    assert not [path for path in output_dir.iterdir() if path.name.startswith(".")]
+
+
+def test_ctrl_c_during_the_model_conversion_exits_130_and_leaves_no_staging(tmp_path):
+    cache, marker = tmp_path / "cache", tmp_path / "converting"
+    gguf_file = write_gguf(tmp_path / "tiny.gguf", arch="llama")
+    argv = ["--model_name_or_path", str(gguf_file), "--output_dir", str(tmp_path / "out"), "--do_train"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), CACHE_ENV_VAR: str(cache)}
+    process = subprocess.Popen(
+        [sys.executable, str(DRIVER), "script", str(marker), str(SCRIPT), *argv],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    wait_for(marker, process)
+    process.send_signal(signal.SIGINT)
+    _, stderr = process.communicate(timeout=60)
+    assert process.returncode == 130, stderr[-3000:]
+    assert "Traceback" not in stderr
+    assert stderr.strip().splitlines()[-1] == (
+        f"{PROG}interrupted: Ctrl-C while loading the model: nothing was written to {tmp_path / 'out'}; "
+        "run the same command again."
+    )
+    assert list((cache / "gguf").iterdir()) == []
+    assert list((tmp_path / "out").iterdir()) == []

@@ -1,0 +1,95 @@
+"""`run_generation.py --continuous_batching` and `--dataset_name`: the script's main(argv), in this process."""
+
+import json
+
+import pytest
+
+from tests.helpers import count_attention_paths
+
+
+PROMPTS = ["Hello there", "A much longer prompt about flash attention and paged caches", "2 + 2 ="]
+
+
+def tiny_argv(checkpoint, *extra: str) -> list[str]:
+    return ["--model_name_or_path", str(checkpoint), "--warmup", "0", "--n_iterations", "1", *extra]
+
+
+def run(script, checkpoint, tmp_path, *extra) -> dict:
+    output_dir = tmp_path / "out"
+    argv = tiny_argv(checkpoint, "--output_dir", str(output_dir), "--overwrite_output_dir", *extra)
+    assert script.main(argv) == 0
+    return json.loads((output_dir / "results.json").read_text())
+
+
+def prompt_arguments() -> list[str]:
+    return ["--prompt", *PROMPTS, "--batch_size", "3", "--max_new_tokens", "6"]
+
+
+@pytest.mark.parametrize("flag", [[], ["--use_flash_attention"]], ids=["default", "flash"])
+def test_continuous_batching_gives_each_prompt_its_padded_batch_text_and_times_each_request(
+    flag,
+    script,
+    tiny_checkpoint,
+    tmp_path,
+    monkeypatch,
+):
+    batched = run(script, tiny_checkpoint, tmp_path, *prompt_arguments(), *flag)
+    with count_attention_paths(monkeypatch, profile=False) as counts:
+        continuous = run(script, tiny_checkpoint, tmp_path, *prompt_arguments(), *flag, "--continuous_batching")
+    assert [text["output"] for text in continuous["texts"]] == [text["output"] for text in batched["texts"]]
+    if flag:
+        assert counts["fused"] > 0 and counts["default"] == 0
+    else:
+        assert counts["default"] > 0 and counts["fused"] == 0
+    stats = continuous["stats"]
+    assert stats["requests"] == 3 and stats["failed_requests"] == 0 and stats["new_tokens"] == 3 * 6
+    for request in stats["per_request"]:
+        assert request["status"] == "finished" and request["new_tokens"] == 6
+        assert 0 < request["time_to_first_token_seconds"] <= request["seconds"]
+        assert request["tokens_per_second"] == pytest.approx(6 / request["seconds"])
+    assert continuous["throughput"] == stats["throughput_tokens_per_second"] > 0
+    assert {"avg_first_token_latency", "input", "output", "arguments", "versions", "generation_config"} <= set(
+        continuous
+    )
+    assert continuous["arguments"]["continuous_batching"] is True
+
+
+@pytest.mark.parametrize(
+    "extra, words",
+    [
+        (["--static_shapes"], "--static_shapes shape(s) generate()'s KV cache"),
+        (["--bucket_size", "16"], "--bucket_size shape(s)"),
+        (["--num_beams", "2"], "no beam search"),
+        (["--cb_max_batch_tokens", "0"], "--cb_max_batch_tokens must be at least 1"),
+    ],
+)
+def test_what_continuous_batching_cannot_honour_is_a_usage_error(extra, words, script, tiny_checkpoint, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        script.main(tiny_argv(tiny_checkpoint, "--continuous_batching", *extra))
+    assert exit_info.value.code == 2
+    assert words in capsys.readouterr().err
+
+
+def test_cb_max_batch_tokens_without_continuous_batching_is_a_usage_error(script, tiny_checkpoint, capsys):
+    with pytest.raises(SystemExit):
+        script.main(tiny_argv(tiny_checkpoint, "--cb_max_batch_tokens", "64"))
+    assert "add --continuous_batching" in capsys.readouterr().err
+
+
+def test_prompts_from_a_local_dataset_file_and_column(script, tiny_checkpoint, tmp_path):
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"id": index, "question": text}) + "\n" for index, text in enumerate(PROMPTS)))
+    argv = ["--dataset_name", str(data), "--column_name", "question", "--batch_size", "3", "--max_new_tokens", "2"]
+    results = run(script, tiny_checkpoint, tmp_path, *argv, "--continuous_batching")
+    assert [text["prompt"] for text in results["texts"]] == PROMPTS
+
+
+@pytest.mark.parametrize(
+    "column, words", [("id", "--column_name 'id' is not a text column"), ("nope", "its text columns: question")]
+)
+def test_a_dataset_column_that_holds_no_prompts_is_named(column, words, script, tiny_checkpoint, tmp_path, capsys):
+    data = tmp_path / "prompts.jsonl"
+    data.write_text(json.dumps({"id": 1, "question": "hi"}) + "\n")
+    with pytest.raises(SystemExit):
+        script.main(tiny_argv(tiny_checkpoint, "--dataset_name", str(data), "--column_name", column))
+    assert words in capsys.readouterr().err

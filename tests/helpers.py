@@ -1,0 +1,228 @@
+"""Shared test helpers: tiny random models of every family, counters of which attention path ran, the example
+scripts loaded as modules, and the checkpoints, tokenizers and files they are given."""
+
+import importlib.util
+import json
+import os
+from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from filelock import FileLock
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, PreTrainedConfig, PreTrainedTokenizerFast
+
+from optimum.habana import gaudi_model_class, supported_model_types
+from optimum.habana.transformers import attention, paged_attention
+from optimum.habana.utils.model_loading import CACHE_ENV_VAR, ResolvedModel, resolve_model
+
+
+FLASH_KERNEL_CPU = "aten::_scaled_dot_product_flash_attention_for_cpu"
+
+
+# 2 layers, 4 query heads over 2 key/value heads (grouped-query attention); fits any decoder config class.
+TINY_SIZES = {
+    "vocab_size": 256,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "pad_token_id": 0,
+}
+
+
+def tiny_llama_config(**overrides) -> LlamaConfig:
+    values = {**TINY_SIZES, "max_position_embeddings": 2048, "bos_token_id": 1, "eos_token_id": 2}
+    values.update(overrides)
+    return LlamaConfig(**values)
+
+
+# The MoE families' default expert counts (60 and 128) make a tiny model slow; four experts take the same paths.
+FEWER_EXPERTS = {name: {"num_experts": 4, "num_experts_per_tok": 2} for name in ("qwen2_moe", "qwen3_moe")}
+
+
+def tiny_config(model_type: str, **overrides) -> PreTrainedConfig:
+    """A tiny random config of any family, with the same sizes and special tokens as `tiny_llama_config`."""
+    values = {**TINY_SIZES, "max_position_embeddings": 2048, "bos_token_id": 1, "eos_token_id": 2}
+    values.update(FEWER_EXPERTS.get(model_type, {}))
+    values.update(overrides)
+    return AutoConfig.for_model(model_type, **values)
+
+
+def left_padded_batch(lengths: list[int], seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random prompts of the given lengths, left-padded with token 0, as generate() expects them."""
+    generator = torch.Generator().manual_seed(seed)
+    width = max(lengths)
+    input_ids = torch.zeros(len(lengths), width, dtype=torch.long)
+    attention_mask = torch.zeros(len(lengths), width, dtype=torch.long)
+    for row, length in enumerate(lengths):
+        input_ids[row, width - length :] = torch.randint(3, 256, (length,), generator=generator)
+        attention_mask[row, width - length :] = 1
+    return {"input_ids": input_ids, "attention_mask": attention_mask}
+
+
+@contextmanager
+def count_attention_paths(monkeypatch: pytest.MonkeyPatch, profile: bool = True) -> Iterator[Counter]:
+    """Count attention calls per path: "fused" (our kernel dispatch), "default" (matmul-softmax), and, with
+    `profile`, FLASH_KERNEL_CPU, the ATen fused kernel that actually ran (read from the profiler when the block
+    exits; the profiler slows every operation, so tests that need only our dispatch counts leave it off)."""
+    counts: Counter = Counter()
+
+    def counted(name, function):
+        def wrapper(*args, **kwargs):
+            counts[name] += 1
+            return function(*args, **kwargs)
+
+        return wrapper
+
+    monkeypatch.setattr(attention, "fused_sdpa", counted("fused", attention.fused_sdpa))
+    monkeypatch.setattr(paged_attention, "fused_sdpa", counted("fused", paged_attention.fused_sdpa))
+    monkeypatch.setattr(attention, "matmul_softmax_attention", counted("default", attention.matmul_softmax_attention))
+    if not profile:
+        yield counts
+        return
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profiler:
+        yield counts
+    counts[FLASH_KERNEL_CPU] = sum(1 for event in profiler.events() if event.name == FLASH_KERNEL_CPU)
+
+
+def once_per_session(tmp_path_factory, name: str, produce: Callable[[Path], Any]) -> Any:
+    """`produce(folder)`, run once per test session and shared as JSON by the pytest-xdist workers.
+
+    pytest-xdist's documented recipe for expensive fixtures: without it, each worker that gets one of the tests
+    would run the same expensive step again.
+    """
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return produce(tmp_path_factory.mktemp(name))
+    shared = tmp_path_factory.getbasetemp().parent  # the session's folder, above every worker's own
+    result = shared / f"{name}.json"
+    with FileLock(f"{result}.lock"):
+        if not result.is_file():
+            folder = shared / name
+            folder.mkdir()
+            result.write_text(json.dumps(produce(folder)))
+        return json.loads(result.read_text())
+
+
+def embedded_model(tmp_path_factory) -> tuple[Path, ResolvedModel]:
+    """The embedded SmolLM2 converted once per session (about 20 s) into a cache folder of its own: that folder,
+    and the first resolution (`converted` is True: it did the conversion)."""
+
+    def produce(folder: Path) -> dict[str, Any]:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setenv(CACHE_ENV_VAR, str(folder))
+            resolved = resolve_model(None)
+        return {"cache": str(folder), **{**resolved.__dict__, "path": str(resolved.path)}}
+
+    record = once_per_session(tmp_path_factory, "embedded_model", produce)
+    cache = Path(record.pop("cache"))
+    return cache, ResolvedModel(**{**record, "path": Path(record["path"])})
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The example scripts, and the checkpoints and files they are given
+
+ROOT = Path(__file__).resolve().parents[1]
+TOKENIZER_SENTENCES = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Flash attention computes exact attention without the full score matrix.",
+    "Gaudi is an accelerator for deep learning training and inference.",
+    "Once upon a time there was a tiny language model.",
+]
+
+
+def load_script(relative_path: str) -> ModuleType:
+    """An example script (`examples/...`) as a module, for calling its main(argv) in this process."""
+    path = ROOT / relative_path
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def train_tiny_tokenizer(chat_template: bool) -> PreTrainedTokenizerFast:
+    """A byte-level BPE trained on a few sentences: any text tokenizes, nothing is downloaded."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=["<pad>", "<s>", "</s>"],  # ids 0, 1, 2: tiny_llama_config's pad, bos and eos
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(TOKENIZER_SENTENCES, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
+    if chat_template:
+        fast.chat_template = (
+            "{% for message in messages %}<s>{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
+            "{% if add_generation_prompt %}assistant:{% endif %}"
+        )
+    return fast
+
+
+def save_tiny_checkpoint(folder: Path, chat_template: bool = True, model_type: str = "llama") -> Path:
+    """A stock checkpoint of `model_type`, as a user would pass it, with a tokenizer beside it."""
+    tokenizer = train_tiny_tokenizer(chat_template)
+    torch.manual_seed(0)
+    config = tiny_config(model_type, vocab_size=len(tokenizer), max_position_embeddings=128)
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def write_gguf(path: Path, arch: str) -> Path:
+    """A tiny GGUF file: metadata and one tensor, enough for the architecture check.
+
+    The file name goes into the metadata, so that files with different names have different cache keys.
+    """
+    writer = gguf.GGUFWriter(path, arch=arch)
+    writer.add_name(path.stem)
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Every family: the Gaudi model next to the stock one
+
+FAMILIES = supported_model_types()
+# Gemma 2 soft-caps its attention logits, which no fused kernel computes: those calls take the default path.
+SOFT_CAPPED = {"gemma2"}
+
+
+def build_pair(model_type: str, **overrides):
+    """The Gaudi model and the stock eager model of a family, with the same random weights."""
+    model_class = gaudi_model_class(model_type)
+    stock_class = model_class.__bases__[-1]
+    torch.manual_seed(0)
+    config = tiny_config(model_type, initializer_range=0.1, **overrides)
+    ours = model_class(config).eval()
+    stock = stock_class(tiny_config(model_type, attn_implementation="eager", **overrides)).eval()
+    stock.load_state_dict(ours.state_dict())
+    assert stock.config._attn_implementation == "eager"
+    return ours, stock
+
+
+# Each family's sliding-window settings, with a window shorter than the tests' prompts.
+SLIDING_WINDOW_CONFIGS = {
+    "mistral": {"sliding_window": 5},
+    "qwen2": {"use_sliding_window": True, "sliding_window": 5, "max_window_layers": 1},
+    "qwen3": {"use_sliding_window": True, "sliding_window": 5, "max_window_layers": 1},
+    "gemma2": {"sliding_window": 5, "attn_logit_softcapping": None},
+    "gemma3_text": {"sliding_window": 5, "sliding_window_pattern": 2},
+    "phi3": {"sliding_window": 5},
+    "starcoder2": {"sliding_window": 5},
+}
