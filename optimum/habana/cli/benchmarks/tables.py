@@ -1,4 +1,5 @@
-"""The cells and table formats every benchmark report shares: a failed measurement reads OOM, timeout or error."""
+"""What every benchmark report shares: cells (a failed measurement reads OOM, timeout or error), table formats, and
+the plots' two log-scaled panels."""
 
 import csv
 import io
@@ -34,4 +35,30 @@ def csv_text(rows: Sequence[dict[str, str]]) -> str:
     writer = csv.DictWriter(buffer, fieldnames=list(rows[0]))
     writer.writeheader()
     writer.writerows(rows)
+    return buffer.getvalue()
+
+
+def side_by_side_axes(width: float, height: float) -> tuple[Any, tuple[Any, Any]]:
+    """A figure with two panels side by side, drawn off-screen (matplotlib's Agg backend: no display needed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt.subplots(1, 2, figsize=(width, height))
+
+
+def png_bytes(figure: Any, titled_axes: Sequence[tuple[Any, str]], xlabel: str) -> bytes:
+    """Each panel against `xlabel` on a log2 scale, with its title and a light grid; the figure as PNG, then closed."""
+    import matplotlib.pyplot as plt
+
+    for axis, title in titled_axes:
+        axis.set_xscale("log", base=2)
+        axis.set_xlabel(xlabel)
+        axis.set_title(title)
+        axis.grid(True, alpha=0.3)
+    figure.tight_layout()
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png", dpi=90)
+    plt.close(figure)
     return buffer.getvalue()

@@ -2,7 +2,6 @@
 the plot. Everything here formats measurements that `command` has taken; nothing measures.
 """
 
-import io
 import json
 from collections.abc import Sequence
 from dataclasses import asdict
@@ -12,7 +11,7 @@ from typing import Any
 import torch
 from tabulate import tabulate
 
-from optimum.habana.cli.benchmarks.tables import GB, cell, csv_text, number
+from optimum.habana.cli.benchmarks.tables import GB, cell, csv_text, number, png_bytes, side_by_side_axes
 from optimum.habana.cli.common import environment_versions, hardware
 from optimum.habana.utils.atomic import atomic_write_bytes, atomic_write_text
 
@@ -73,12 +72,9 @@ def kernel_table(report: dict[str, Any]) -> str:
 
 def plot_png(records: Sequence[dict[str, Any]]) -> bytes:
     """Peak memory and throughput against input length, one line per model, batch, new tokens and path."""
-    import matplotlib
+    figure, (memory_axis, speed_axis) = side_by_side_axes(12, 4.5)
+    import matplotlib.pyplot as plt  # after side_by_side_axes has chosen the off-screen backend
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, (memory_axis, speed_axis) = plt.subplots(1, 2, figsize=(12, 4.5))
     groups: dict[tuple, list[dict[str, Any]]] = {}
     for record in records:
         groups.setdefault((record["model"], record["batch_size"], record["max_new_tokens"]), []).append(record)
@@ -102,17 +98,9 @@ def plot_png(records: Sequence[dict[str, Any]]) -> bytes:
             if path != "floor":
                 throughputs = [result["throughput_tokens_per_second"] for _, result in points]
                 speed_axis.plot(tokens, throughputs, style, **line)
-    for axis, title in ((memory_axis, "Peak memory [GB]"), (speed_axis, "Throughput [tokens/s]")):
-        axis.set_xscale("log", base=2)
-        axis.set_xlabel("Input tokens")
-        axis.set_title(title)
-        axis.grid(True, alpha=0.3)
     memory_axis.legend(fontsize=7)
-    figure.tight_layout()
-    buffer = io.BytesIO()
-    figure.savefig(buffer, format="png", dpi=90)
-    plt.close(figure)
-    return buffer.getvalue()
+    titles = ((memory_axis, "Peak memory [GB]"), (speed_axis, "Throughput [tokens/s]"))
+    return png_bytes(figure, titles, "Input tokens")
 
 
 def write_results(

@@ -6,13 +6,20 @@ the shared ones (`benchmarks.tables`): a failed measurement reads OOM, timeout o
 """
 
 import argparse
-import io
 import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from optimum.habana.cli.benchmarks.tables import GB, cell, csv_text, markdown_table, number
+from optimum.habana.cli.benchmarks.tables import (
+    GB,
+    cell,
+    csv_text,
+    markdown_table,
+    number,
+    png_bytes,
+    side_by_side_axes,
+)
 from optimum.habana.cli.common import environment_versions, hardware
 from optimum.habana.utils.atomic import atomic_write_bytes, atomic_write_text
 
@@ -134,12 +141,7 @@ def target_lines(records: Sequence[dict[str, Any]]) -> list[str]:
 
 def plot_png(records: Sequence[dict[str, Any]], paths: Sequence[str]) -> bytes:
     """Extra memory / floor's and step time against tokens, one line per row group and path."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, (memory_axis, time_axis) = plt.subplots(1, 2, figsize=(13, 4.8))
+    figure, (memory_axis, time_axis) = side_by_side_axes(13, 4.8)
     groups: dict[str, list[dict[str, Any]]] = {}
     for record in records:
         groups.setdefault(record["group"], []).append(record)
@@ -158,17 +160,10 @@ def plot_png(records: Sequence[dict[str, Any]], paths: Sequence[str]) -> bytes:
             )
     memory_axis.axhline(EXTRA_TARGET, color="gray", linestyle=":", label=f"target {EXTRA_TARGET}×")
     time_axis.set_yscale("log")
-    for axis, title in ((memory_axis, "Extra memory / floor's"), (time_axis, "Step time [s]")):
-        axis.set_xscale("log", base=2)
-        axis.set_xlabel("Tokens per sequence")
-        axis.set_title(title)
-        axis.grid(True, alpha=0.3)
     time_axis.legend(fontsize=6)
-    figure.tight_layout()
-    buffer = io.BytesIO()
-    figure.savefig(buffer, format="png", dpi=90)
-    plt.close(figure)
-    return buffer.getvalue()
+    return png_bytes(
+        figure, ((memory_axis, "Extra memory / floor's"), (time_axis, "Step time [s]")), "Tokens per sequence"
+    )
 
 
 def markdown_report(records: Sequence[dict[str, Any]], paths: Sequence[str], notes: Sequence[str]) -> str:
