@@ -20,7 +20,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, PreTrainedConfig, PreTrainedTokenizerFast
 
 from optimum.habana import gaudi_model_class, supported_model_types
-from optimum.habana.transformers import attention, paged_attention
+from optimum.habana.transformers import attention, segmented_attention
 from optimum.habana.utils.model_loading import CACHE_ENV_VAR, ResolvedModel, resolve_model
 
 
@@ -84,7 +84,7 @@ def count_attention_paths(monkeypatch: pytest.MonkeyPatch, profile: bool = True)
         return wrapper
 
     monkeypatch.setattr(attention, "fused_sdpa", counted("fused", attention.fused_sdpa))
-    monkeypatch.setattr(paged_attention, "fused_sdpa", counted("fused", paged_attention.fused_sdpa))
+    monkeypatch.setattr(segmented_attention, "fused_sdpa", counted("fused", segmented_attention.fused_sdpa))
     monkeypatch.setattr(attention, "matmul_softmax_attention", counted("default", attention.matmul_softmax_attention))
     if not profile:
         yield counts

@@ -12,7 +12,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 from transformers import LlamaForCausalLM, PreTrainedTokenizerFast, TrainerCallback
 
 from optimum.habana.cli.finetuning import prompts
-from optimum.habana.transformers import attention
+from optimum.habana.transformers import attention, segmented_attention
 from tests.helpers import ROOT, count_attention_paths, tiny_llama_config
 
 
@@ -77,18 +77,21 @@ class Recorder(TrainerCallback):
             self.run.eval_losses.append(logs["eval_loss"])
 
 
+def recording_recompute(run: Run, kernel):
+    def spy(*args, **kwargs):
+        if torch.is_grad_enabled():
+            run.recompute.append(kwargs["recompute"])
+        return kernel(*args, **kwargs)
+
+    return spy
+
+
 def run_script(script, argv: list[str]) -> Run:
     """main(argv), with every attention call counted by path and the kernel's recompute argument recorded."""
     run = Run(metrics={})
     with pytest.MonkeyPatch.context() as patch, count_attention_paths(patch) as counts:
-        counted = attention.fused_sdpa
-
-        def spy(*args, **kwargs):
-            if torch.is_grad_enabled():
-                run.recompute.append(kwargs["recompute"])
-            return counted(*args, **kwargs)
-
-        patch.setattr(attention, "fused_sdpa", spy)
+        for module in (attention, segmented_attention):  # padded and padding-free (packed) batches
+            patch.setattr(module, "fused_sdpa", recording_recompute(run, module.fused_sdpa))
         run.metrics = script.main(argv, callbacks=[Recorder(run)])
     run.counts = counts
     return run

@@ -20,8 +20,9 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from ..kernels.dispatch import FusedSDPAUnavailable, fused_sdpa, warn_once
 from .attention_flags import DEFAULT_PATH_FLAGS, AttentionFlags, call_attention_flags
-from .packing import PackedLengths, causal_window_mask, packed_causal_mask
+from .packing import PackedLengths, packed_causal_mask
 from .paged_attention import paged_flash_attention, sequence_bounds
+from .segmented_attention import Segment, fused_attention_per_segment
 
 
 ATTENTION_IMPLEMENTATION = "gaudi"
@@ -244,28 +245,22 @@ def packed_flash_attention(
     An example longer than a sliding window reads its own `[length, length]` window mask: the kernels have no
     window argument. Every call is a prefill, so the prefill-only flags apply as they do to a prompt.
     """
-    rows = []
-    for row_index, row in enumerate(lengths):
-        outputs, start = [], 0
-        for length in row:
-            end = start + length
-            windowed = sliding_window is not None and length > sliding_window
-            outputs.append(
-                fused_sdpa(
-                    query[row_index : row_index + 1, :, start:end],
-                    key[row_index : row_index + 1, :, start:end],
-                    value[row_index : row_index + 1, :, start:end],
-                    causal_window_mask(length, sliding_window, query.device) if windowed else None,
-                    is_causal=not windowed,
-                    scale=scaling,
-                    dropout_p=dropout if module.training else 0.0,
-                    softmax_mode="fast" if flags.flash_attention_fast_softmax else "None",
-                    recompute=flags.flash_attention_recompute,
-                )
-            )
-            start = end
-        rows.append(torch.cat(outputs, dim=2))
-    return torch.cat(rows, dim=0)
+    segments = []
+    for row, row_lengths in enumerate(lengths):
+        start = 0
+        for length in row_lengths:
+            segments.append(Segment(row, start, start + length, start, start + length))
+            start += length
+    return fused_attention_per_segment(
+        query,
+        key,
+        value,
+        segments,
+        scaling=scaling,
+        dropout=dropout if module.training else 0.0,
+        flags=flags,
+        sliding_window=sliding_window,
+    )
 
 
 def matmul_softmax_attention(

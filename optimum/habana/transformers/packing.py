@@ -17,6 +17,8 @@ import torch
 from transformers import PreTrainedConfig
 from transformers.cache_utils import Cache
 
+from .segmented_attention import causal_mask
+
 
 # Per row of the batch, the lengths of its examples, in order; they add up to the row's length.
 PackedLengths = tuple[tuple[int, ...], ...]
@@ -75,17 +77,8 @@ def packed_causal_mask(lengths: PackedLengths, sliding_window: int | None, devic
     for row in lengths:
         example = torch.repeat_interleave(torch.arange(len(row), device=device), torch.tensor(row, device=device))
         same_example = example[:, None] == example[None, :]
-        masks.append(same_example & causal_window_mask(example.shape[0], sliding_window, device))
+        masks.append(same_example & causal_mask(example.shape[0], example.shape[0], sliding_window, device))
     return torch.stack(masks)[:, None]
 
 
-def causal_window_mask(length: int, sliding_window: int | None, device: torch.device) -> torch.Tensor:
-    """The boolean `[length, length]` causal mask, within a sliding window when one is given."""
-    positions = torch.arange(length, device=device)
-    allowed = positions[None, :] <= positions[:, None]
-    if sliding_window is not None:
-        allowed &= positions[None, :] > positions[:, None] - sliding_window
-    return allowed
-
-
-__all__ = ["PackedLengths", "can_run_packed", "causal_window_mask", "packed_causal_mask", "packed_sequence_lengths"]
+__all__ = ["PackedLengths", "can_run_packed", "packed_causal_mask", "packed_sequence_lengths"]

@@ -15,8 +15,8 @@ slots that only the mask excludes.
 
 import torch
 
-from ..kernels.dispatch import fused_sdpa
 from .attention_flags import AttentionFlags
+from .segmented_attention import Segment, fused_attention_per_segment
 
 
 # The cu_seq_lens_k entry of full-attention layers (transformers keys it by layer type).
@@ -45,12 +45,6 @@ def sequence_bounds(
     ]
 
 
-def bottom_right_causal_mask(query_length: int, key_length: int, device: torch.device) -> torch.Tensor:
-    """Boolean `[q, kv]`: query i sits at position kv - q + i and sees the keys up to it."""
-    query_positions = torch.arange(key_length - query_length, key_length, device=device)
-    return torch.arange(key_length, device=device)[None, :] <= query_positions[:, None]
-
-
 def paged_flash_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -63,26 +57,8 @@ def paged_flash_attention(
 
     Queries past the last sequence (padding the engine may add) get zeros, as a fully masked query does.
     """
-    outputs = []
-    for q_start, q_end, k_start, k_end in bounds:
-        query_length, key_length = q_end - q_start, k_end - k_start
-        bottom_right = 1 < query_length < key_length  # a prompt chunk after cached tokens
-        outputs.append(
-            fused_sdpa(
-                query[:, :, q_start:q_end],
-                key[:, :, k_start:k_end],
-                value[:, :, k_start:k_end],
-                bottom_right_causal_mask(query_length, key_length, query.device) if bottom_right else None,
-                is_causal=query_length > 1 and not bottom_right,
-                scale=scaling,
-                softmax_mode="fast" if flags.flash_attention_fast_softmax and query_length > 1 else "None",
-                recompute=flags.flash_attention_recompute,
-            )
-        )
-    served = bounds[-1][1] if bounds else 0
-    if served < query.shape[2]:
-        outputs.append(query.new_zeros(*query.shape[:2], query.shape[2] - served, value.shape[-1]))
-    return torch.cat(outputs, dim=2)
+    segments = [Segment(0, *sequence) for sequence in bounds]
+    return fused_attention_per_segment(query, key, value, segments, scaling=scaling, dropout=0.0, flags=flags)
 
 
-__all__ = ["bottom_right_causal_mask", "paged_flash_attention", "sequence_bounds"]
+__all__ = ["paged_flash_attention", "sequence_bounds"]
