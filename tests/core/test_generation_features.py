@@ -108,11 +108,11 @@ def assert_same_output(output, reference) -> None:
 def check_feature(model_type, feature, inputs, monkeypatch) -> None:
     ours, stock = build_pair(model_type)
     reference = (from_embeddings if feature is embeddings_into_bucketed_cache else feature)(stock, inputs)
-    with count_attention_paths(monkeypatch) as counts:
+    with count_attention_paths(monkeypatch, profile=False) as counts:
         default = feature(ours, inputs)
     assert_same_output(default, reference)
     assert counts["default"] > 0 and counts["fused"] == 0
-    with count_attention_paths(monkeypatch) as counts:
+    with count_attention_paths(monkeypatch, profile=False) as counts:
         flash = feature(ours, inputs, use_flash_attention=True)
     assert_same_output(flash, reference)
     if model_type in SOFT_CAPPED:
@@ -147,7 +147,7 @@ def test_assisted_decoding_matches_stock(model_type, monkeypatch):
     inputs = left_padded_batch([10], seed=6)
     reference = stock.generate(**inputs, assistant_model=assistant, **GREEDY)
     assert torch.equal(reference, stock.generate(**inputs, **GREEDY))  # greedy assisted decoding changes nothing
-    with count_attention_paths(monkeypatch) as counts:
+    with count_attention_paths(monkeypatch, profile=False) as counts:
         flash = ours.generate(**inputs, assistant_model=assistant, use_flash_attention=True, **GREEDY)
     assert torch.equal(flash, reference)
     if model_type not in SOFT_CAPPED:
