@@ -21,7 +21,7 @@ from optimum.habana.transformers import attention
 from optimum.habana.transformers.cache import BucketedStaticCache
 from optimum.habana.utils import devices, model_loading
 from tests.generation.support import bad_model_inputs, outputs, parse, run_in_process, tiny_argv
-from tests.helpers import tiny_config, write_gguf
+from tests.helpers import save_tiny_checkpoint, tiny_config, write_gguf
 
 
 @pytest.fixture
@@ -386,9 +386,22 @@ def test_explain_lists_the_flags_and_loads_no_weights(tiny_checkpoint, monkeypat
     assert "GGUF metadata" in default_model and "GaudiLlamaForCausalLM, 30 attention layers" in default_model
 
 
-def test_explain_on_a_soft_capping_family_names_the_fallback(tmp_path):
-    from .test_run_generation import save_tiny_checkpoint
+def test_explain_reads_an_earlier_conversion_instead_of_the_gguf_metadata(default_model, monkeypatch):
+    """Once the GGUF is converted, --explain reads the cached config and tokenizer: the same account, no parse."""
+    cache, resolved = default_model
+    monkeypatch.setenv(model_loading.CACHE_ENV_VAR, str(cache))
 
+    def no_gguf_parse(*args, **kwargs):
+        raise AssertionError("--explain parsed the GGUF although its conversion is cached")
+
+    monkeypatch.setattr(model_loading, "gguf_architecture", no_gguf_parse)
+    monkeypatch.setattr(GaudiLlamaForCausalLM, "from_pretrained", no_gguf_parse)
+    text = explain(parse(["--explain", "--use_flash_attention"]))
+    assert f"converted earlier, cached at {resolved.path}" in text
+    assert "GaudiLlamaForCausalLM, 30 attention layers" in text
+
+
+def test_explain_on_a_soft_capping_family_names_the_fallback(tmp_path):
     checkpoint = save_tiny_checkpoint(tmp_path / "gemma2", model_type="gemma2")
     argv = [
         "--model_name_or_path",

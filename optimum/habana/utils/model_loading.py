@@ -175,6 +175,18 @@ def _looks_like_path(value: str) -> bool:
     return any(separator in value for separator in (os.sep, os.altsep) if separator not in (None, "/"))
 
 
+def converted_gguf_checkpoint(gguf_path: Path) -> Path | None:
+    """The cache's verified conversion of ``gguf_path``, or None; never converts (`--explain` reads its config and
+    tokenizer from there, in a fraction of the time the GGUF metadata takes to parse)."""
+    target = _cache_entry(_sha256(gguf_path))
+    return target if cache_manifest.verify(target) is None else None
+
+
+def _cache_entry(digest: str) -> Path:
+    """Where a GGUF's conversion lives in the cache: named after the file's content (its sha256), not its path."""
+    return cache_root() / "gguf" / digest[:16]
+
+
 def _cached_gguf_checkpoint(gguf_path: Path) -> tuple[Path, bool]:
     """The cached checkpoint converted from ``gguf_path``, converting it first if needed; also whether it converted.
 
@@ -185,8 +197,8 @@ def _cached_gguf_checkpoint(gguf_path: Path) -> tuple[Path, bool]:
     conversion goes to a private temporary folder for this process only.
     """
     digest = _sha256(gguf_path)
-    root = cache_root()
-    target = root / "gguf" / digest[:16]
+    target = _cache_entry(digest)
+    root = target.parents[1]
     remove_stale_staging(target.parent, _STAGING_PREFIX, legacy_max_age_s=_LEGACY_STAGING_MAX_AGE_S)
     problem = cache_manifest.verify(target)
     if problem is None:

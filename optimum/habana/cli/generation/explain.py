@@ -21,7 +21,13 @@ from optimum.habana.transformers.attention_flags import AttentionFlags
 from optimum.habana.transformers.cache import bucketed_length
 from optimum.habana.transformers.modeling_utils import padding_mask_is_all_it_needs
 from optimum.habana.transformers.models import GAUDI_CAUSAL_LM_CLASSES, supported_model_types
-from optimum.habana.utils.model_loading import ModelResolutionError, check_gguf_file, default_gguf_path, resolve_model
+from optimum.habana.utils.model_loading import (
+    ModelResolutionError,
+    check_gguf_file,
+    converted_gguf_checkpoint,
+    default_gguf_path,
+    resolve_model,
+)
 
 from .arguments import ExecutionArguments, ScriptArguments, WorkloadArguments, flag_notes, resolve_execution
 from .generation_config import kv_cache_layout
@@ -119,8 +125,12 @@ def explain(arguments: ScriptArguments) -> str:
 
 
 def read_config_and_tokenizer(model_name_or_path: str | None):
-    """Config, tokenizer and a description, without loading or converting weights (a .gguf: its metadata only)."""
+    """Config, tokenizer and a description, without loading or converting weights (a .gguf: its conversion's files
+    when the cache holds one, else its metadata)."""
     gguf = default_gguf_path() if model_name_or_path is None else Path(model_name_or_path).expanduser()
+    if gguf.suffix.lower() == ".gguf" and gguf.is_file() and (converted := converted_gguf_checkpoint(gguf)):
+        description = f"{gguf.name} (converted earlier, cached at {converted})"
+        return AutoConfig.from_pretrained(converted), AutoTokenizer.from_pretrained(converted), description
     if gguf.suffix.lower() == ".gguf" and gguf.is_file():
         check_gguf_file(gguf)  # a damaged file or another architecture is refused in the words of a real run
         try:
