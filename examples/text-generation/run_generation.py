@@ -208,7 +208,7 @@ def generate_continuously(arguments, parser, model, tokenizer, requests, prompts
     """--continuous_batching: every prompt a request of one `generate_batch`, timed per request."""
     workload, execution = arguments.workload, arguments.execution
     engine = continuous_batching.engine_config(
-        [len(ids) for ids in requests], workload.max_new_tokens, execution.cb_max_batch_tokens
+        [len(ids) for ids in requests], workload.max_new_tokens, execution.cb_max_batch_tokens, seed=workload.seed
     )
     reset_peak_memory(device)
     with exit_on_interrupt_or_oom(

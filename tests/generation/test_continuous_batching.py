@@ -93,3 +93,34 @@ def test_a_dataset_column_that_holds_no_prompts_is_named(column, words, script, 
     with pytest.raises(SystemExit):
         script.main(tiny_argv(tiny_checkpoint, "--dataset_name", str(data), "--column_name", column))
     assert words in capsys.readouterr().err
+
+
+def sampled_texts(script, checkpoint, tmp_path, seed: str) -> list[str]:
+    extra = [*prompt_arguments(), "--continuous_batching", "--do_sample", "--seed", seed, "--n_iterations", "2"]
+    results = run(script, checkpoint, tmp_path, *extra)
+    return [text["output"] for text in results["texts"]]
+
+
+def test_continuous_batching_samples_repeat_with_the_seed(script, tiny_checkpoint, tmp_path):
+    """The engine samples in a thread of its own: --seed reaches it, and the batch enters it whole."""
+    first = sampled_texts(script, tiny_checkpoint, tmp_path, "3")
+    assert sampled_texts(script, tiny_checkpoint, tmp_path, "3") == first
+    assert sampled_texts(script, tiny_checkpoint, tmp_path, "4") != first
+
+
+@pytest.mark.parametrize("name", ["prompts.jsonl", "./data/questions.csv", "~/nowhere/prompts.txt"])
+def test_a_dataset_file_that_does_not_exist_is_no_such_file(name, script, tiny_checkpoint, capsys, monkeypatch):
+    import datasets
+
+    def no_hub(*args, **kwargs):
+        raise AssertionError("looked up on the hub")
+
+    monkeypatch.setattr(datasets, "load_dataset", no_hub)
+    with pytest.raises(SystemExit) as exit_info:
+        script.main(tiny_argv(tiny_checkpoint, "--dataset_name", name, "--continuous_batching"))
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        f"run_generation.py: error: --dataset_name {name!r}: no such file or folder. Pass your own data file "
+        "(.json, .jsonl, .csv, .parquet, .txt) or dataset folder, or a hub dataset id."
+    ]

@@ -9,17 +9,32 @@ attention updates the paged cache and runs the fused kernel (with `use_flash_att
 them. When the manager stops, the user's own choice comes back unchanged, flags included.
 
 The flags come from the `generation_config` given to the engine, then from the model's, as in `generate()`.
-A request the engine would answer with an empty success or an unrelated scheduling error (an empty prompt, one
-longer than the model's context, max_new_tokens below 1) fails alone, with its reason in its result.
+A request the engine would answer with an empty success, an unrelated scheduling error or a crash of the whole
+batch (an empty prompt, a token id outside the vocabulary, a prompt and max_new_tokens past the model's context or
+past the paged cache, max_new_tokens below 1) fails alone, with its reason in its result.
+
+Sampling repeats with a seed (the engine config's `seed`, else the generation config's): the engine seeds torch's
+generator when its batch processor is built, and `add_requests` queues a whole batch while the loop is paused, so
+that every run schedules the same steps. `stop()` interrupts the requests still running when Ctrl-C is on its way
+or its `timeout` runs out (transformers' flush would otherwise run them all to their end): they fail with
+`RequestInterrupted`, their tokens so far in their result.
 """
 
+import contextlib
 import copy
 import logging
+import math
+import sys
 from typing import Any
 
 from transformers import GenerationConfig
 from transformers.generation.configuration_utils import ContinuousBatchingConfig
-from transformers.generation.continuous_batching.continuous_api import ContinuousBatchingManager
+from transformers.generation.continuous_batching.cache import group_layers_by_attn_type
+from transformers.generation.continuous_batching.cache_allocators import FULL_ATTENTION
+from transformers.generation.continuous_batching.continuous_api import (
+    BackgroundThreadStatus,
+    ContinuousBatchingManager,
+)
 from transformers.generation.continuous_batching.requests import RequestState
 
 from .attention_flags import attention_flags_of
@@ -46,6 +61,9 @@ def engine_config(
         continuous_batching_config = getattr(generation_config, "continuous_batching_config", None)
     config = copy.deepcopy(continuous_batching_config) if continuous_batching_config else ContinuousBatchingConfig()
     config.auto_switch_to_flash = False
+    seed = getattr(generation_config, "seed", None)  # not a documented GenerationConfig field; kept when set
+    if config.seed is None and isinstance(seed, int) and not isinstance(seed, bool):
+        config.seed = seed
     return config
 
 
@@ -56,6 +74,20 @@ def engine_flags(model_generation_config: Any, generation_config: Any) -> dict[s
 
 class RequestRefused(ValueError):
     """Why a request cannot be served; its text is the failed result's `error`."""
+
+
+class RequestInterrupted(RuntimeError):
+    """A request still running when the manager was stopped (Ctrl-C, or `stop()`'s timeout ran out)."""
+
+
+# How transformers' loop fails the requests left when it ends (continuous_api._run_generation_loop).
+LOOP_FINISHED = "Generation loop finished before this request completed"
+
+
+INTERRUPTED = (
+    "interrupted: the continuous batching manager was stopped before this request completed; generated_tokens "
+    "holds its tokens so far."
+)
 
 
 class GaudiContinuousBatchingManager(ContinuousBatchingManager):
@@ -76,7 +108,7 @@ class GaudiContinuousBatchingManager(ContinuousBatchingManager):
         **kwargs: Any,
     ) -> str | None:
         new_tokens = self.generation_config.max_new_tokens if max_new_tokens is None else max_new_tokens
-        problem = request_problem(list(input_ids), new_tokens, self.model.config)
+        problem = request_problem(list(input_ids), new_tokens, self.model, self.cache_capacity())
         if problem is None or not self.is_tp_driver:
             return super().add_request(input_ids, request_id=request_id, max_new_tokens=max_new_tokens, **kwargs)
         if request_id is None:
@@ -88,20 +120,91 @@ class GaudiContinuousBatchingManager(ContinuousBatchingManager):
         self.output_router.fail_and_deliver(state, RequestRefused(problem))
         return request_id
 
+    def add_requests(self, inputs: list[list[int]], **kwargs: Any) -> list[str]:
+        """transformers' `add_requests`, queued while the loop is paused: the loop sees the whole batch at once, so
+        the steps it schedules (and the samples they draw) do not depend on thread timing."""
+        with contextlib.ExitStack() as paused:
+            if self.is_running():
+                with contextlib.suppress(RuntimeError):  # the loop is gone: each request is reported as dropped
+                    paused.enter_context(self.pause())
+            return super().add_requests(inputs, **kwargs)
 
-def request_problem(input_ids: list[int], max_new_tokens: int | None, config: Any) -> str | None:
-    """What makes a request unservable, in words for its result, or None."""
+    def cache_capacity(self) -> tuple[int, int] | None:
+        """(blocks, tokens per block) of the paged cache: the built cache's, else the config's request, else None."""
+        cache = getattr(getattr(self, "batch_processor", None), "cache", None)
+        blocks = getattr(cache, "num_blocks", None) or self.continuous_batching_config.num_blocks
+        return None if blocks is None else (blocks, self.continuous_batching_config.page_size)
+
+    def stop(self, block: bool = True, timeout: float | None = None, **kwargs: Any) -> None:
+        """transformers' `stop`, which interrupts the running requests when Ctrl-C is on its way (a hard stop) or
+        when `timeout` runs out before they end, instead of leaving the loop running them to their end."""
+        hard_stop = kwargs.pop("hard_stop", False) or isinstance(sys.exc_info()[1], KeyboardInterrupt)
+        thread = self._generation_thread
+        if block and timeout is not None and not hard_stop and thread is not None:
+            self.background_thread_status.request_stop(
+                BackgroundThreadStatus.FLUSH_AND_STOP, self.distributed_helper.global_rank
+            )
+            thread.join(timeout)
+            hard_stop = thread.is_alive()
+        super().stop(block=block, timeout=None if hard_stop else timeout, hard_stop=hard_stop, **kwargs)
+
+    def _fail_all_remaining_requests(self, error: Exception, batch_processor: Any) -> None:
+        """The requests a hard stop leaves fail with what happened, not the loop's internal status."""
+        if str(error).startswith(LOOP_FINISHED):  # the loop's end, not a crash (whose error stays as it is)
+            error = RequestInterrupted(INTERRUPTED)
+        super()._fail_all_remaining_requests(error, batch_processor)
+
+
+def request_problem(
+    input_ids: list[int], max_new_tokens: int | None, model: Any, cache: tuple[int, int] | None = None
+) -> str | None:
+    """What makes a request unservable, in words for its result, or None. `cache`: (blocks, tokens per block)."""
     if not input_ids:
         return "empty prompt: there is nothing to continue; send at least one token."
     if max_new_tokens is not None and max_new_tokens < 1:
         return f"max_new_tokens must be at least 1, got {max_new_tokens}."
+    config = getattr(model, "config", model)
+    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    vocabulary = getattr(embeddings, "num_embeddings", None) or getattr(config, "vocab_size", None)
+    if vocabulary is not None and (bad := [token for token in input_ids if not 0 <= token < vocabulary]):
+        which = f"token id {bad[0]} is" if len(bad) == 1 else f"{len(bad)} token ids (the first {bad[0]}) are"
+        return f"{which} outside the model's vocabulary (0 to {vocabulary - 1}): tokenize with the model's tokenizer."
     context = getattr(config, "max_position_embeddings", None)
     if context is not None and len(input_ids) >= context:
         return (
             f"the prompt has {len(input_ids)} tokens, as many as or more than the model's context of {context} "
             "(max_position_embeddings): shorten it."
         )
+    if context is not None and max_new_tokens is not None and len(input_ids) + max_new_tokens > context:
+        return (
+            f"the prompt's {len(input_ids)} tokens and max_new_tokens {max_new_tokens} pass the model's context of "
+            f"{context} positions (max_position_embeddings): lower max_new_tokens to at most "
+            f"{context - len(input_ids)} or shorten the prompt."
+        )
+    if cache is not None and max_new_tokens is not None:
+        blocks, page_size = cache
+        needed = blocks_needed(len(input_ids) + max_new_tokens, page_size, config)
+        if needed > blocks:
+            return (
+                f"the paged cache is too small for this request: its {len(input_ids)} prompt tokens and "
+                f"max_new_tokens {max_new_tokens} need {needed} blocks of {page_size} tokens, the cache holds "
+                f"{blocks}. Size it with ContinuousBatchingConfig(num_blocks=...) (serve: --cb-num-blocks) of at "
+                f"least {needed}, or lower max_new_tokens."
+            )
     return None
+
+
+def blocks_needed(tokens: int, page_size: int, config: Any) -> int:
+    """Whole-model blocks of `page_size` tokens that one request of `tokens` tokens fills at least: sliding-window
+    layers keep only their window, so they count for less."""
+    groups = group_layers_by_attn_type(config.get_text_config() if hasattr(config, "get_text_config") else config)
+    window = getattr(config, "sliding_window", None) or tokens
+    layers = sum(len(indices) for indices in groups.values())
+    pages = sum(
+        len(indices) * math.ceil((tokens if kind == FULL_ATTENTION else min(tokens, window)) / page_size)
+        for kind, indices in groups.items()
+    )
+    return math.ceil(pages / layers)
 
 
 def init_manager(
@@ -131,7 +234,9 @@ __all__ = [
     "CONTINUOUS_BATCHING_ATTENTION",
     "ChosenAttnImplementation",
     "GaudiContinuousBatchingManager",
+    "RequestInterrupted",
     "RequestRefused",
+    "blocks_needed",
     "engine_config",
     "engine_flags",
     "init_manager",

@@ -61,12 +61,18 @@ def tokenize_requests(
 
 
 def engine_config(
-    prompt_lengths: Sequence[int], max_new_tokens: int, max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS
+    prompt_lengths: Sequence[int],
+    max_new_tokens: int,
+    max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS,
+    seed: int | None = None,
 ) -> ContinuousBatchingConfig:
     """A paged cache that holds every request at once, sized from the workload: transformers otherwise sizes it
-    from the device's free memory (seconds of allocation on a large CPU machine)."""
+    from the device's free memory (seconds of allocation on a large CPU machine). `seed` seeds the engine's
+    sampling (it samples in its own thread, after this process's own seeding), so that sampled texts repeat."""
     pages = sum(math.ceil((length + max_new_tokens) / PAGE_SIZE) for length in prompt_lengths)
-    return ContinuousBatchingConfig(page_size=PAGE_SIZE, num_blocks=pages + 1, max_batch_tokens=max_batch_tokens)
+    return ContinuousBatchingConfig(
+        page_size=PAGE_SIZE, num_blocks=pages + 1, max_batch_tokens=max_batch_tokens, seed=seed
+    )
 
 
 def run_batch(

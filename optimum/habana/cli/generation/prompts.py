@@ -28,6 +28,11 @@ def dataset_prompts(dataset_name: str, column_name: str | None) -> list[str]:
     import datasets
 
     path = Path(dataset_name).expanduser()
+    if not path.exists() and looks_local(dataset_name):  # else `datasets` asks the hub, retries, then "cannot load"
+        raise ValueError(
+            f"--dataset_name {dataset_name!r}: no such file or folder. Pass your own data file "
+            f"({', '.join(FILE_BUILDERS)}) or dataset folder, or a hub dataset id."
+        )
     try:
         if path.is_file():
             builder = FILE_BUILDERS.get(path.suffix.lower())
@@ -54,6 +59,17 @@ def dataset_prompts(dataset_name: str, column_name: str | None) -> list[str]:
     if not prompts:
         raise ValueError(f"--dataset_name {dataset_name!r}: column {column!r} holds no text.")
     return prompts
+
+
+def looks_local(name: str) -> bool:
+    """A data file's suffix, or a path no hub id has (absolute, ./, ../, ~, more than one /)."""
+    path = Path(name)
+    return (
+        path.suffix.lower() in FILE_BUILDERS
+        or path.is_absolute()
+        or name.startswith((".", "~"))
+        or name.count("/") > 1
+    )
 
 
 # Prompts of different lengths, so that a batch of several is padded. The first one is Optimum-Habana's default.
