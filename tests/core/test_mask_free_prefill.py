@@ -56,7 +56,7 @@ def test_padded_prefill_builds_no_mask_and_keeps_the_tokens(model, monkeypatch, 
         assert mask is None and lengths.tolist() == [12, 7, 3]
     # The decode steps' masks are [B, 1, 1, kv]: only those were built.
     assert built and all(mask.shape[-2] == 1 for mask in built if mask is not None)
-    assert model.config._attn_implementation == "gaudi"  # the temporary name is gone after the call
+    assert model.config._attn_implementation == "sdpa"  # the temporary name is gone: stock's default again
 
 
 def test_default_path_fallback_rebuilds_the_padding_mask(model):

@@ -78,8 +78,8 @@ def test_kernel_runs_every_attention_call_with_the_flag(runs, variant):
 
 @pytest.mark.parametrize("variant", ["default", "flash"])
 def test_padding_free_batches_train_as_padded_ones(script, checkpoint, tmp_path, runs, variant):
-    """--padding_free: the same examples, losses and LoRA gradients as padded batches; with the flag the kernel
-    runs once per packed example (more calls than one per padded batch), none on the default path."""
+    """--padding_free: the same examples, losses and LoRA gradients as padded batches; with the flag every call is
+    fused (one per packed example: tests/core/test_packing.py counts them), none on the default path."""
     padded = runs[variant]
     flag = ["--use_flash_attention", "True" if variant == "flash" else "False"]
     packed = run_script(script, script_args(checkpoint, tmp_path, *PARITY_ARGS.split(), *flag, "--padding_free"))
@@ -89,7 +89,7 @@ def test_padding_free_batches_train_as_padded_ones(script, checkpoint, tmp_path,
         for name, gradient in packed_step.items():
             torch.testing.assert_close(gradient, padded_step[name], atol=TOLERANCE, rtol=0, msg=name)
     if variant == "flash":
-        assert packed.counts["default"] == 0 and packed.counts["fused"] > padded.counts["fused"]
+        assert packed.counts["default"] == 0 and packed.counts["fused"] > 0
 
 
 def test_default_path_without_the_flag(runs):

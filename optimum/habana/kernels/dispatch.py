@@ -228,10 +228,22 @@ def _torch_causal_prefill(
     return output.masked_fill_((positions < starts)[:, None, :, None], 0.0)
 
 
-@functools.cache
 def warn_once(message: str) -> None:
-    """One warning per distinct message and process: the attention runs once per layer and step."""
-    warnings.warn(message, UserWarning, stacklevel=3)
+    """One warning per distinct message and process: the attention runs once per layer and step.
+
+    Never inside a region torch.compile traces: a Python warning breaks a `fullgraph=True` graph, and the same
+    call has run uncompiled before (the prompt) or says the same at every step.
+    """
+    if not torch.compiler.is_compiling():
+        _warn_once(message)
+
+
+@functools.cache
+def _warn_once(message: str) -> None:
+    warnings.warn(message, UserWarning, stacklevel=4)
+
+
+warn_once.cache_clear = _warn_once.cache_clear  # tests reset the "once"
 
 
 __all__ = ["FusedSDPAUnavailable", "fused_sdpa", "needs_padding_mask", "warn_once"]

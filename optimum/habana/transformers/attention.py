@@ -12,14 +12,17 @@ q == 1. Sliding windows are part of the mask, so both paths honour them by readi
 except in a Gaudi model, which hands the attention their lengths instead (`packing.py`).
 """
 
+from typing import Any
+
 import torch
 from torch import nn
 from transformers import AttentionInterface, PreTrainedConfig
 from transformers.generation.continuous_batching.cache import PagedAttentionCache
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.utils.generic import TransformersKwargs
 
 from ..kernels.dispatch import FusedSDPAUnavailable, fused_sdpa, warn_once
-from .attention_flags import DEFAULT_PATH_FLAGS, AttentionFlags, call_attention_flags
+from .attention_flags import DEFAULT_PATH_FLAGS, AttentionFlags, attention_flags_of, call_attention_flags
 from .packing import PackedLengths, packed_causal_mask
 from .paged_attention import paged_flash_attention, sequence_bounds
 from .segmented_attention import Segment, fused_attention_per_segment
@@ -32,24 +35,14 @@ FUSED_SDPA_IMPLEMENTATION = "gaudi_fused_sdpa"
 # function builds nothing, the attention gets the per-row valid lengths instead (`GaudiAttentionMixin.forward`).
 MASK_FREE_PREFILL = "gaudi_mask_free_prefill"
 
-# Keywords that families pass to every attention function and that need nothing here: the model or the mask has
-# already used them (positions, packed-sequence boundaries, caching), or they switch model-level outputs.
-# Any other keyword is an error, so that a family feature is never dropped silently.
-IGNORED_ATTENTION_KWARGS = frozenset(
-    {
-        "position_ids",
-        "cache_position",
-        "use_cache",
-        "output_hidden_states",
-        "output_router_logits",
-        "num_items_in_batch",
-        "cu_seq_lens_q",
-        "cu_seq_lens_k",
-        "max_length_q",
-        "max_length_k",
-        "seq_idx",
-    }
-)
+# Keywords that reach every attention function and need nothing here: the model or the mask has already used them
+# (positions, packed-sequence boundaries, caching), they switch model-level outputs, or they are the loss's, which
+# a stock forward hands down with everything else (`shift_labels` in sequence-parallel training). transformers'
+# own list (`TransformersKwargs`) is read, so a keyword it adds is known here too. Any other keyword is an error,
+# so that a family feature is never dropped silently.
+IGNORED_ATTENTION_KWARGS = (
+    frozenset(TransformersKwargs.__annotations__) - {"output_attentions", "is_causal"}  # both read below
+) | {"cache_position", "use_cache", "shift_labels", "ignore_index"}
 # What transformers' continuous batching passes besides its paged cache: the cache reads them in `update`, the
 # engine reads the logits ones; its 4-D mask already encodes every sequence's boundaries and cached tokens.
 CONTINUOUS_BATCHING_KWARGS = frozenset(
@@ -82,7 +75,7 @@ def gaudi_attention_forward(
     marks a padding-free packed batch (`optimum.habana.transformers.packing`), which comes without a mask.
     Weights are returned by the default path only: the fused kernel never materialises them.
     """
-    flags = call_attention_flags(kwargs)
+    flags = call_attention_flags(kwargs, model_flag_defaults(module))
     cache = kwargs.pop("cache", None)
     paged_bounds = None
     if isinstance(cache, PagedAttentionCache):  # continuous batching: the layer writes and reads its paged cache
@@ -212,7 +205,7 @@ def flash_attention(
         attention_mask, causal = None, True
     else:
         causal = False
-    return fused_sdpa(
+    output = fused_sdpa(
         query,
         key,
         value,
@@ -227,6 +220,49 @@ def flash_attention(
         valid_sequence_lengths=valid_sequence_lengths,
         padding_side=padding_side,
     )
+    if valid_sequence_lengths is None:
+        return output
+    recompute = flags.flash_attention_recompute and (is_prefill or module.training)
+    return padding_queries_as_stock(
+        output, query, key, value, valid_sequence_lengths, padding_side, scaling, recompute
+    )
+
+
+def padding_queries_as_stock(
+    output: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    valid_sequence_lengths: torch.Tensor,
+    padding_side: str,
+    scaling: float | None,
+    recompute: bool,
+) -> torch.Tensor:
+    """The outputs at a mask-free prefill's padding positions, as transformers' mask gives them.
+
+    Under the mask, a left-padding query attends to nothing (zero), and a right-padding query attends to its row's
+    real tokens, all of which come before it. The causal kernel let the latter see the padding before it too, and
+    devices differ on the former, so both are set here: the real tokens' outputs are untouched, and each
+    right-padded row costs one more kernel call for its padding queries (O(padding x real) work, no mask).
+    """
+    q_len = query.shape[2]
+    positions = torch.arange(q_len, device=query.device)
+    lengths = valid_sequence_lengths.to(query.device, torch.long)
+    if padding_side == "left":
+        return output.masked_fill((positions < (q_len - lengths)[:, None])[:, None, :, None], 0.0)
+    padding_outputs = torch.zeros_like(output)
+    for row, length in enumerate(lengths.tolist()):
+        if 0 < length < q_len:
+            padding_outputs[row : row + 1, :, length:] = fused_sdpa(
+                query[row : row + 1, :, length:],
+                key[row : row + 1, :, :length],
+                value[row : row + 1, :, :length],
+                None,
+                is_causal=False,
+                scale=scaling,
+                recompute=recompute,
+            )
+    return torch.where((positions >= lengths[:, None])[:, None, :, None], padding_outputs, output)
 
 
 def packed_flash_attention(
@@ -340,27 +376,39 @@ def no_mask(*args, **kwargs) -> None:
 
 
 class AttentionConfigView:
-    """A model config as the attention layers of a Gaudi model read it.
+    """A model config as the attention layers of a Gaudi model read it, with the model's own flag defaults.
 
     Every value is read live from the model's config, except `_attn_implementation`, which names the Gaudi
     attention. The config itself keeps what the user asked for ("eager", "sdpa", ...), where transformers' own
     checks and the mask construction read it, while every layer's attention lookup still finds the Gaudi attention.
+    The view also holds the model's generation config, whose flags are the defaults of an attention call that
+    carries none: one that enters below the causal LM (TRL calls the decoder, `model.base_model`, directly).
     """
 
     _attn_implementation = ATTENTION_IMPLEMENTATION
 
-    def __init__(self, config: PreTrainedConfig) -> None:
+    def __init__(self, config: PreTrainedConfig, model_generation_config: Any = None) -> None:
         object.__setattr__(self, "config", config)
+        object.__setattr__(self, "model_generation_config", model_generation_config)
 
     def __getattr__(self, name: str):
         return getattr(self.config, name)
 
     def __setattr__(self, name: str, value) -> None:
-        setattr(self.config, name, value)
+        if name == "model_generation_config":  # the model's generation config was replaced
+            object.__setattr__(self, name, value)
+        else:
+            setattr(self.config, name, value)
 
     def __reduce__(self):
-        # Pickled and deep-copied models keep a live view of their own (copied) config.
-        return AttentionConfigView, (self.config,)
+        # Pickled and deep-copied models keep a live view of their own (copied) config and generation config.
+        return AttentionConfigView, (self.config, self.model_generation_config)
+
+
+def model_flag_defaults(module: nn.Module) -> dict[str, bool | None]:
+    """The flags a Gaudi model's generation config sets, read from the attention module's view; none elsewhere."""
+    config = getattr(module, "config", None)
+    return attention_flags_of(config.model_generation_config) if isinstance(config, AttentionConfigView) else {}
 
 
 def register_gaudi_attention() -> None:

@@ -17,6 +17,8 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Literal, TypedDict
 
+import torch
+
 
 AppliesTo = Literal["switch", "fused", "default"]
 
@@ -109,20 +111,28 @@ def pop_attention_flags(kwargs: dict[str, Any]) -> dict[str, bool | None]:
     return {name: kwargs.pop(name) for name in ATTENTION_FLAG_NAMES if name in kwargs}
 
 
-def call_attention_flags(kwargs: dict[str, Any]) -> AttentionFlags:
-    """Remove the flags from one attention call's keyword arguments and resolve them (a single route).
+def call_attention_flags(kwargs: dict[str, Any], defaults: Mapping[str, bool | None] | None = None) -> AttentionFlags:
+    """Remove the flags from one attention call's keyword arguments and resolve them over the model's `defaults`.
 
-    The attention runs this for every layer and decode step: each combination of values is validated once.
+    A Gaudi model's forward passes all five; a call that enters below it (the decoder, a layer, the attention
+    module itself) passes none, and the model's defaults decide. The attention runs this for every layer and
+    decode step: each combination of values is validated once.
     """
     values = tuple(kwargs.pop(name, None) for name in ATTENTION_FLAG_NAMES)
-    if all(value is None or value is True or value is False for value in values):
-        return _single_route_flags(values)
-    return resolve_attention_flags(dict(zip(ATTENTION_FLAG_NAMES, values, strict=True)))  # raises the ValueError
+    fallback = tuple((defaults or {}).get(name) for name in ATTENTION_FLAG_NAMES)
+    booleans = all(value is None or value is True or value is False for value in values + fallback)
+    if booleans and not torch.compiler.is_compiling():
+        return _two_route_flags(values, fallback)
+    return resolve_attention_flags(  # traced as constants when compiling; raises the ValueError naming a bad value
+        dict(zip(ATTENTION_FLAG_NAMES, values, strict=True)), dict(zip(ATTENTION_FLAG_NAMES, fallback, strict=True))
+    )
 
 
 @functools.cache
-def _single_route_flags(values: tuple[bool | None, ...]) -> AttentionFlags:
-    return resolve_attention_flags(dict(zip(ATTENTION_FLAG_NAMES, values, strict=True)))
+def _two_route_flags(values: tuple[bool | None, ...], fallback: tuple[bool | None, ...]) -> AttentionFlags:
+    return resolve_attention_flags(
+        dict(zip(ATTENTION_FLAG_NAMES, values, strict=True)), dict(zip(ATTENTION_FLAG_NAMES, fallback, strict=True))
+    )
 
 
 def resolve_attention_flags(*routes: Mapping[str, bool | None]) -> AttentionFlags:

@@ -1,20 +1,21 @@
 """`GaudiAttentionMixin`: what turns any transformers causal LM into one that runs the Gaudi attention and its flags.
 
 Mixed in before the stock class (`class GaudiLlamaForCausalLM(GaudiAttentionMixin, LlamaForCausalLM)`), it keeps
-the model transformers' own (same layers, weights, loading and saving) and adds:
+the model transformers' own (same layers, weights, loading and saving, attention names) and adds:
 
-- the attention: every attention layer looks up the Gaudi attention, whatever `attn_implementation` the user
-  chose; that choice stays on `config._attn_implementation` and sets the model's default `use_flash_attention`
-  ("eager" -> off, "sdpa" and "gaudi_fused_sdpa" -> on, "gaudi" or nothing -> the generation config decides);
-- the flags as `forward` keyword arguments, resolved once per call, falling back to `model.generation_config`;
-- gradient checkpointing forcing the kernel's recompute, and the causal-mask mode's per-row valid lengths;
+- the attention: every attention layer looks up the Gaudi attention, whatever `attn_implementation` says; that
+  name stays on `config._attn_implementation` as transformers keeps it (stock's choice, "sdpa", when none is
+  given), and an explicit choice sets the model's default `use_flash_attention` ("eager" -> off, "sdpa" and
+  "gaudi_fused_sdpa" -> on, "gaudi" -> the generation config decides);
+- the flags, resolved where the attention runs: a call's flags (forward, generate) over the model's defaults
+  (`model.generation_config`), from every entry point: the causal LM, the decoder (`model.base_model`, which TRL
+  calls), a layer or an attention module (`decoder_inputs`, and the attention's own fallback);
 - the generation config loaded as a `GaudiGenerationConfig`, and the bridge that carries the flags from
   `generate()` to every forward; a `BucketedStaticCache` learns each step's length before the step runs.
 """
 
-import contextlib
 import copy
-from collections.abc import Iterator
+import functools
 from typing import Any
 
 import torch
@@ -25,8 +26,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.processing_utils import Unpack
 from transformers.utils.generic import TransformersKwargs
 
-from ..kernels.dispatch import needs_padding_mask
-from .attention import ATTENTION_IMPLEMENTATION, FUSED_SDPA_IMPLEMENTATION, MASK_FREE_PREFILL, AttentionConfigView
+from .attention import ATTENTION_IMPLEMENTATION, FUSED_SDPA_IMPLEMENTATION, AttentionConfigView
 from .attention_flags import (
     ATTENTION_FLAG_NAMES,
     DEFAULT_PATH_FLAGS,
@@ -38,8 +38,8 @@ from .attention_flags import (
 )
 from .cache import BucketedStaticCache
 from .continuous_batching import ChosenAttnImplementation, engine_flags, init_manager
+from .decoder_inputs import finish_decoder_call, prepare_decoder_call
 from .generation import GaudiGenerationConfig, GaudiGenerationMixin
-from .packing import can_run_packed, packed_sequence_lengths
 
 
 # The `attn_implementation` values a Gaudi model accepts, and the default `use_flash_attention` each one sets
@@ -64,26 +64,69 @@ class GaudiAttentionMixin(GaudiGenerationMixin):
 
     generation_config_class = GaudiGenerationConfig
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """Each Gaudi class's forward declares the stock class's return type (MoE families return router logits)."""
+        super().__init_subclass__(**kwargs)
+        stock_return = _stock_class(cls).forward.__annotations__.get("return")
+
+        @functools.wraps(GaudiAttentionMixin.forward)
+        def forward(self, *args: Any, **kwargs: Any) -> Any:
+            return GaudiAttentionMixin.forward(self, *args, **kwargs)
+
+        forward.__annotations__ = {**GaudiAttentionMixin.forward.__annotations__, "return": stock_return}
+        cls.forward = forward
+
     def __init__(self, config: PreTrainedConfig, *args: Any, **kwargs: Any) -> None:
         # A copy: the attention choice written below must not leak into a stock model built from the same object.
         super().__init__(copy.deepcopy(config), *args, **kwargs)
-        view = AttentionConfigView(self.config)
+        view = AttentionConfigView(self.config, self.generation_config)
+        self.__dict__["_attention_config_view"] = view
         for module in self.modules():
             if not isinstance(module, PreTrainedModel) and getattr(module, "config", None) is self.config:
                 module.config = view
+        decoder = self.base_model
+        decoder.register_forward_pre_hook(functools.partial(prepare_decoder_call, view), with_kwargs=True)
+        decoder.register_forward_hook(finish_decoder_call, with_kwargs=True, always_call=True)
         self._apply_attn_implementation_default()
+
+    @property
+    def generation_config(self) -> GenerationConfig | None:
+        return self.__dict__.get("_generation_config")
+
+    @generation_config.setter
+    def generation_config(self, value: GenerationConfig | None) -> None:
+        # The attention layers' view reads the model's flag defaults from it: a replaced config must reach them.
+        self.__dict__["_generation_config"] = value
+        if (view := self.__dict__.get("_attention_config_view")) is not None:
+            view.model_generation_config = value
+
+    @classmethod
+    def _can_set_attn_implementation(cls) -> bool:
+        # transformers reads the answer off the class's module source; the stock class's module is the one to read.
+        return _stock_class(cls)._can_set_attn_implementation()
+
+    @classmethod
+    def _can_set_experts_implementation(cls) -> bool:
+        # Likewise: without it an MoE family would run the eager experts loop instead of grouped_mm.
+        return _stock_class(cls)._can_set_experts_implementation()
 
     def _check_and_adjust_attn_implementation(
         self, attn_implementation: str | None, is_init_check: bool = False, allow_all_kernels: bool = False
     ) -> str:
-        """One rule for the constructor's config, `from_pretrained`, `_from_config` and `set_attn_implementation`."""
+        """One rule for the constructor's config, `from_pretrained`, `_from_config` and `set_attn_implementation`.
+
+        None takes stock's choice ("sdpa", or "eager" where SDPA cannot run), which leaves the flag to the
+        generation config; a name outside the Gaudi attention's is refused in stock's words.
+        """
+        self.__dict__["_attn_implementation_chosen"] = attn_implementation is not None
         if attn_implementation is None:
-            return ATTENTION_IMPLEMENTATION
+            return super()._check_and_adjust_attn_implementation(None, is_init_check, allow_all_kernels)
         if attn_implementation not in ATTENTION_IMPLEMENTATIONS:
             raise ValueError(
-                f"{type(self).__name__} runs the Gaudi attention and takes attn_implementation "
-                f"{', '.join(repr(name) for name in ATTENTION_IMPLEMENTATIONS)}, got {attn_implementation!r}. "
-                "'eager' selects the default attention, 'sdpa' and 'gaudi_fused_sdpa' the fused kernel "
+                f'Specified `attn_implementation="{attn_implementation}"` is not supported by {type(self).__name__}, '
+                "which runs the Gaudi attention. The only possible arguments are "
+                f"{', '.join(f'`attn_implementation={name!r}`' for name in ATTENTION_IMPLEMENTATIONS)}: 'eager' "
+                "selects the default attention, 'sdpa' and 'gaudi_fused_sdpa' the fused kernel "
                 "(use_flash_attention=True), 'gaudi' leaves the choice to use_flash_attention."
             )
         return attn_implementation
@@ -93,6 +136,7 @@ class GaudiAttentionMixin(GaudiGenerationMixin):
             self.config._attn_implementation_internal = str(attn_implementation)
             return
         super().set_attn_implementation(attn_implementation, **kwargs)
+        self.__dict__["_attn_implementation_chosen"] = True  # also when it names the current one
         self._apply_attn_implementation_default()
 
     @torch.no_grad()
@@ -111,8 +155,10 @@ class GaudiAttentionMixin(GaudiGenerationMixin):
         return init_manager(self, generation_config, continuous_batching_config, workload_hints)
 
     def _apply_attn_implementation_default(self) -> None:
-        """Make the requested attention the model's default: the flags in `generation_config` follow it."""
-        use_flash_attention = ATTENTION_IMPLEMENTATIONS[self.config._attn_implementation]
+        """Make a chosen attention the model's default: the flags in `generation_config` follow it."""
+        if not self.__dict__.get("_attn_implementation_chosen"):
+            return
+        use_flash_attention = ATTENTION_IMPLEMENTATIONS.get(self.config._attn_implementation)
         if use_flash_attention is None:
             return
         config = self.generation_config
@@ -185,73 +231,25 @@ class GaudiAttentionMixin(GaudiGenerationMixin):
             defaults = getattr(self, "_continuous_batching_flags", None) or attention_flags_of(self.generation_config)
         else:
             defaults = attention_flags_of(self.generation_config)
-        flags = resolve_attention_flags(pop_attention_flags(kwargs), defaults)
-        flags = flags.as_dict()
-        if flags["use_flash_attention"]:
-            if kwargs.get("output_attentions") is None and self.config.output_attentions:
-                kwargs["output_attentions"] = True  # the attention runs such calls on the default path, and says so
-            if self.training and getattr(self.base_model, "gradient_checkpointing", False):
-                # Checkpointed layers run forward twice; the kernel must not keep its intermediates either.
-                flags["flash_attention_recompute"] = True
-        tokens = input_ids if input_ids is not None else inputs_embeds
-        packed = None
-        if can_run_packed(self.config):
-            packed = packed_sequence_lengths(position_ids, attention_mask, past_key_values, tokens, kwargs)
-        if packed is not None:
-            # Padding-free packing, flag or not: the attention isolates the examples, transformers builds no mask.
-            kwargs["packed_sequence_lengths"] = packed
-            mask_free = True
-        elif flags["use_flash_attention"]:
-            # A padded prompt whose layers need nothing but causality and the padding skips transformers' mask,
-            # unless the device's kernel reads it (Gaudi without the causal-mask mode).
-            mask_free = padding_mask_is_all_it_needs(self.config) and not needs_padding_mask(
-                tokens, flags["flash_attention_causal_mask"]
-            )
-            if flags["flash_attention_causal_mask"] or mask_free:
-                padding = causal_prefill_padding(attention_mask, input_ids, inputs_embeds, past_key_values)
-                kwargs.update(padding)
-                mask_free = mask_free and bool(padding)
-        else:
-            mask_free = False
-        with mask_free_prefill(self.config) if mask_free else contextlib.nullcontext():
-            return super().forward(
-                input_ids=input_ids,
-                attention_mask=attention_mask,
-                position_ids=position_ids,
-                past_key_values=past_key_values,
-                inputs_embeds=inputs_embeds,
-                labels=labels,
-                use_cache=use_cache,
-                logits_to_keep=logits_to_keep,
-                **flags,
-                **kwargs,
-            )
+        # All five, resolved here: the decoder's pre-hook (`decoder_inputs`) then acts on them.
+        flags = resolve_attention_flags(pop_attention_flags(kwargs), defaults).as_dict()
+        return super().forward(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            inputs_embeds=inputs_embeds,
+            labels=labels,
+            use_cache=use_cache,
+            logits_to_keep=logits_to_keep,
+            **flags,
+            **kwargs,
+        )
 
 
-def padding_mask_is_all_it_needs(config: PreTrainedConfig) -> bool:
-    """Whether every layer's mask is causal plus padding: no sliding window, no bidirectional or chunked layers."""
-    if not getattr(config, "is_causal", True) or getattr(config, "attention_chunk_size", None):
-        return False
-    layer_types = getattr(config, "layer_types", None)
-    if layer_types is not None:
-        return all(layer_type == "full_attention" for layer_type in layer_types)
-    return getattr(config, "sliding_window", None) is None
-
-
-@contextlib.contextmanager
-def mask_free_prefill(config: PreTrainedConfig) -> Iterator[None]:
-    """Make transformers' mask construction build nothing for this forward.
-
-    transformers picks the mask function by `config._attn_implementation`, and would build a `[B, 1, q, q]` mask
-    (O(N²) memory, several copies) for a padded prompt. The layers read the Gaudi attention through their config
-    view, so only the mask construction sees the temporary name; the user's choice is restored afterwards.
-    """
-    chosen = config._attn_implementation_internal
-    config._attn_implementation_internal = MASK_FREE_PREFILL
-    try:
-        yield
-    finally:
-        config._attn_implementation_internal = chosen
+def _stock_class(gaudi_class: type) -> type[PreTrainedModel]:
+    """The transformers class a Gaudi class extends (the last base: `GaudiXForCausalLM(GaudiAttentionMixin, X)`)."""
+    return gaudi_class.__bases__[-1]
 
 
 def _load_gaudi_generation_config(
@@ -272,31 +270,3 @@ def _load_gaudi_generation_config(
 
 
 _HUB_KWARGS = ("cache_dir", "force_download", "local_files_only", "token", "revision", "subfolder")
-
-
-def causal_prefill_padding(
-    attention_mask: torch.Tensor | None,
-    input_ids: torch.Tensor | None,
-    inputs_embeds: torch.Tensor | None,
-    past_key_values: Cache | None,
-) -> dict[str, Any]:
-    """Per-row valid lengths for a prefill from an empty cache, when the padding is all on one side.
-
-    Returns `{"valid_sequence_lengths": int32 [B], "padding_side": ...}`, or nothing when the mask is needed
-    (decode, a non-empty cache, padding on both sides or in the middle): the attention then reads the mask.
-    """
-    if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2:
-        return {}  # None, a prepared 4-D mask, or a dict of masks per layer type: the attention reads those
-    q_len = (input_ids if input_ids is not None else inputs_embeds).shape[1]
-    past_len = past_key_values.get_seq_length() if past_key_values is not None else 0
-    if q_len == 1 or past_len != 0 or attention_mask.shape[1] != q_len:
-        return {}
-    real = attention_mask.bool()
-    # int32: the Gaudi kernel requires it, and torch.compile traces it without recompiling.
-    lengths = real.sum(dim=-1, dtype=torch.int32)
-    positions = torch.arange(q_len, device=real.device)
-    if torch.equal(real, positions >= (q_len - lengths)[:, None]):
-        return {"valid_sequence_lengths": lengths, "padding_side": "left"}
-    if torch.equal(real, positions < lengths[:, None]):
-        return {"valid_sequence_lengths": lengths, "padding_side": "right"}
-    return {}
