@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from optimum.habana.cli.evaluation.fidelity.attention import DEFAULT, call_path, reference_attention
+from tests.generation.support import save_gpt2_config
 from tests.helpers import ROOT, load_script, save_tiny_checkpoint
 
 
@@ -191,6 +192,10 @@ def bad_values(tmp_path: Path, checkpoint: Path) -> list[tuple[list[str], str]]:
         ([*model, "--logit_lens", "4096"], "--logit_lens"),
         ([*model, "--logit_lens", "32", "--ppl_window", "1000"], "--ppl_window"),
         (["--model_name_or_path", str(tmp_path / "no_such_model")], "--model_name_or_path"),
+        (
+            ["--model_name_or_path", str(save_gpt2_config(tmp_path / "gpt2"))],
+            "is a 'gpt2' model, which has no Gaudi class; supported model types: llama",
+        ),
     ]
     if not torch.cuda.is_available():
         cases.append((["--device", "cuda"], "--device cuda"))
@@ -203,3 +208,32 @@ def test_bad_values_exit_2_naming_the_flag(script, checkpoint, tmp_path, capsys)
             script.main(argv)
         assert exit_info.value.code == 2, argv
         assert flag in capsys.readouterr().err, argv
+
+
+def test_ctrl_c_is_one_line_and_leaves_the_measurements_so_far_marked_incomplete(
+    script, checkpoint, tmp_path, capsys, monkeypatch
+):
+    from optimum.habana.cli.evaluation.fidelity import command
+
+    measure_grid = command.measure_grid
+
+    def interrupted_after_the_first_cells(grid, device, seed, add_record):
+        def add_then_stop(record):
+            add_record(record)
+            raise KeyboardInterrupt
+
+        measure_grid(grid, device, seed, add_then_stop)
+
+    monkeypatch.setattr(command, "measure_grid", interrupted_after_the_first_cells)
+    argv = [*TINY_GRID.split(), "--parts", "attention", "--output_dir", str(tmp_path)]
+    with pytest.raises(SystemExit) as exit_info:
+        script.main(argv)
+    assert exit_info.value.code == 130
+    err = capsys.readouterr().err.strip().splitlines()  # a progress line per cell, then the one line
+    assert "Traceback" not in "".join(err) and err[-1:] == [
+        f"attention_fidelity.py: interrupted: the measurements so far are in {tmp_path / 'results.json'}, "
+        f"{tmp_path / 'results.md'}, marked incomplete."
+    ]
+    report = json.loads((tmp_path / "results.json").read_text())
+    assert report["complete"] is False and len(report["attention"]) == 1
+    assert "INCOMPLETE" in (tmp_path / "results.md").read_text()

@@ -17,7 +17,15 @@ from typing import Any, NoReturn
 import torch
 from transformers import AutoConfig, HfArgumentParser
 
-from optimum.habana.cli.common import LONG_PROMPT_PATH, OutputDirError, environment_versions, hardware, writable_folder
+from optimum.habana.cli.common import (
+    LONG_PROMPT_PATH,
+    OutputDirError,
+    environment_versions,
+    exit_on_interrupt_or_oom,
+    hardware,
+    writable_folder,
+)
+from optimum.habana.transformers.models import GAUDI_CAUSAL_LM_CLASSES, supported_model_types
 from optimum.habana.utils.devices import DEVICE_CHOICES, resolve_device
 from optimum.habana.utils.model_loading import DEFAULT_MODEL_NAME, ModelResolutionError, resolve_model
 from optimum.habana.utils.pretrained import load_model_and_tokenizer, load_tokenizer
@@ -199,7 +207,13 @@ def check_model_part(arguments: FidelityArguments) -> ModelInput:
         resolved = resolve_model(arguments.model_name_or_path)
     except ModelResolutionError as error:
         raise ValueError(f"--model_name_or_path: {error}") from None
-    positions = getattr(AutoConfig.from_pretrained(resolved.path), "max_position_embeddings", None)
+    config = AutoConfig.from_pretrained(resolved.path)
+    if config.model_type not in GAUDI_CAUSAL_LM_CLASSES:
+        raise ValueError(
+            f"--model_name_or_path: {resolved.description} is a {config.model_type!r} model, which has no Gaudi "
+            f"class; supported model types: {', '.join(supported_model_types())}."
+        )
+    positions = getattr(config, "max_position_embeddings", None)
     text = Path(arguments.text_file) if arguments.text_file else LONG_PROMPT_PATH
     token_ids = torch.tensor(load_tokenizer(resolved)(text.read_text(encoding="utf-8"))["input_ids"])
     for name, lengths in (("logit_lens", arguments.logit_lens), ("ppl_window", [arguments.ppl_window])):
@@ -232,10 +246,41 @@ def run(arguments: FidelityArguments, parser: HfArgumentParser, argv: Sequence[s
         "versions": environment_versions(),
     }
 
+    saved = []
+
     def save() -> None:
         report["targets"] = judge_targets(report)
         if output_dir is not None:
-            write_report(output_dir, report)
+            saved[:] = write_report(output_dir, report)
+
+    def kept() -> str:
+        if not saved:
+            return "nothing was written."
+        return f"the measurements so far are in {', '.join(map(str, saved))}, marked incomplete."
+
+    with exit_on_interrupt_or_oom(
+        parser.prog,
+        on_interrupt=kept,
+        on_out_of_memory=lambda error: (
+            f"out of memory ({type(error).__name__}): lower --seq_lens, --logit_lens or --ppl_window; {kept()}"
+        ),
+    ):
+        measure(arguments, device, model_input, report, save)
+    report["complete"] = True
+    report["seconds"] = {"wall": time.perf_counter() - started, "process_cpu": time.process_time()}
+    save()
+    print(markdown(report))
+    return 0
+
+
+def measure(
+    arguments: FidelityArguments,
+    device: torch.device,
+    model_input: ModelInput | None,
+    report: dict[str, Any],
+    save: Any,
+) -> None:
+    """Every asked part, each measurement added to `report` and saved as it comes."""
 
     def add_record(record: dict[str, Any]) -> None:
         report["attention"].append(record)
@@ -267,8 +312,3 @@ def run(arguments: FidelityArguments, parser: HfArgumentParser, argv: Sequence[s
             arguments.ppl_tokens,
             update,
         )
-    report["complete"] = True
-    report["seconds"] = {"wall": time.perf_counter() - started, "process_cpu": time.process_time()}
-    save()
-    print(markdown(report))
-    return 0
