@@ -24,6 +24,7 @@ from tabulate import tabulate
 from transformers import DataCollatorWithFlattening
 
 from optimum.habana.cli.benchmarks.models import PRESETS, ModelSpec, build_model
+from optimum.habana.cli.common import exit_on_interrupt_or_oom
 
 
 PATHS = ("floor", "flash", "default", "sdpa", "eager")
@@ -96,7 +97,12 @@ def main(argv: list[str] | None = None) -> int:
     if arguments.worker:
         print(RESULT_MARKER + json.dumps(measure(arguments)), flush=True)
         return 0
-    results = {path: run_path(path, argv, arguments.timeout) for path in arguments.paths}
+    with exit_on_interrupt_or_oom(
+        "benchmark_packed_step.py",
+        on_interrupt=lambda: "nothing was written (the table is printed once every path is measured).",
+        on_out_of_memory=lambda error: "out of memory in the benchmark's own process; nothing was written.",
+    ):
+        results = {path: run_path(path, argv, arguments.timeout) for path in arguments.paths}
     floor = results.get("floor", {})
     rows = []
     for path, result in results.items():

@@ -41,10 +41,10 @@ from transformers import AutoConfig
 
 from optimum.habana.cli.benchmarks import workers
 from optimum.habana.cli.benchmarks.models import PRESETS, ModelSpec, checkpoint_path
-from optimum.habana.cli.benchmarks.tables import GB
+from optimum.habana.cli.benchmarks.tables import GB, kept
 from optimum.habana.cli.benchmarks.training.report import PLOT_FILE, RESULT_FILES, markdown_report, write_results
 from optimum.habana.cli.benchmarks.workers import memory_budget_bytes, ratio
-from optimum.habana.cli.common import OutputDirError, writable_folder
+from optimum.habana.cli.common import OutputDirError, exit_on_interrupt_or_oom, writable_folder
 from optimum.habana.utils.model_loading import DEFAULT_MODEL_NAME
 
 
@@ -261,18 +261,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     notes += [f"{spec.name}: {spec.label.split(' (', 1)[1].rstrip(')')}." for spec in specs if spec.is_preset]
     print(header, flush=True)
-    rows, records = grid(specs, arguments), []
+    rows, records, written = grid(specs, arguments), [], []
     total, done = len(rows) * len(arguments.paths), 0
-    for index, row in enumerate(rows):
-        results = {}
-        for path in arguments.paths if index % 2 == 0 else arguments.paths[::-1]:
-            results[path] = result = run_worker(row_task(row, path, arguments, budget), arguments.timeout)
-            done += 1
-            said = f"{result['step_seconds']:.2f} s" if result["status"] == "ok" else result["status"]
-            print(f"[{done}/{total}] {row.name}: {path}: {said}", file=sys.stderr, flush=True)
-        records.append(summarize_row(row, {path: results[path] for path in arguments.paths}))
-        if output_dir:  # rows so far, so that an interrupted grid still leaves its measurements
-            write_results(output_dir, arguments, header, notes, records, complete=False)
+    with exit_on_interrupt_or_oom(
+        PROG,
+        on_interrupt=lambda: kept(written),
+        on_out_of_memory=lambda error: f"out of memory in the benchmark's own process; {kept(written)}",
+    ):
+        for index, row in enumerate(rows):
+            results = {}
+            for path in arguments.paths if index % 2 == 0 else arguments.paths[::-1]:
+                results[path] = result = run_worker(row_task(row, path, arguments, budget), arguments.timeout)
+                done += 1
+                said = f"{result['step_seconds']:.2f} s" if result["status"] == "ok" else result["status"]
+                print(f"[{done}/{total}] {row.name}: {path}: {said}", file=sys.stderr, flush=True)
+            records.append(summarize_row(row, {path: results[path] for path in arguments.paths}))
+            if output_dir:  # rows so far, so that an interrupted grid still leaves its measurements
+                written = write_results(output_dir, arguments, header, notes, records, complete=False)
     print("\n" + markdown_report(records, arguments.paths, notes), end="")
     if output_dir:
         written = write_results(output_dir, arguments, header, notes, records, complete=True)

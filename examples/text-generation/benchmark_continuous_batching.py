@@ -26,14 +26,15 @@ from pathlib import Path
 from typing import Any
 
 from tabulate import tabulate
-from transformers import HfArgumentParser
+from transformers import AutoConfig, HfArgumentParser
 
 from optimum.habana.cli.benchmarks import workers
 from optimum.habana.cli.benchmarks.continuous_batching.worker import PATHS
-from optimum.habana.cli.benchmarks.tables import GB
+from optimum.habana.cli.benchmarks.tables import GB, kept, markdown_file
 from optimum.habana.cli.benchmarks.workers import ratio
-from optimum.habana.cli.common import OutputDirError, writable_folder
+from optimum.habana.cli.common import OutputDirError, exit_on_interrupt_or_oom, writable_folder
 from optimum.habana.utils.atomic import atomic_write_text
+from optimum.habana.utils.model_loading import ModelResolutionError, resolve_model
 
 
 PROG = "benchmark_continuous_batching.py"
@@ -73,6 +74,14 @@ def check(arguments: Arguments) -> None:
             raise ValueError(f"--{name} must be at least 1, got {getattr(arguments, name)}.")
     if arguments.max_prompt_tokens < arguments.min_prompt_tokens:
         raise ValueError("--max_prompt_tokens must be at least --min_prompt_tokens.")
+    positions = getattr(
+        AutoConfig.from_pretrained(resolve_model(arguments.model).path), "max_position_embeddings", None
+    )
+    if positions is not None and arguments.max_prompt_tokens + arguments.max_new_tokens > positions:
+        raise ValueError(
+            f"--max_prompt_tokens {arguments.max_prompt_tokens} + --max_new_tokens {arguments.max_new_tokens} pass the "
+            f"model's {positions} positions (max_position_embeddings): lower them to {positions} tokens in all."
+        )
     if arguments.output_dir:
         folder = writable_folder(arguments.output_dir)
         existing = [name for name in ("results.json", "results.md") if (folder / name).exists()]
@@ -191,11 +200,14 @@ def markdown(results: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write(arguments: Arguments, results: dict[str, Any]) -> None:
-    if arguments.output_dir:
-        folder = Path(arguments.output_dir)
-        atomic_write_text(folder / "results.json", json.dumps(results, indent=2) + "\n")
-        atomic_write_text(folder / "results.md", markdown(results))
+def write(arguments: Arguments, results: dict[str, Any]) -> list[Path]:
+    """results.json and results.md, each written atomically; both marked incomplete until the last run."""
+    if not arguments.output_dir:
+        return []
+    folder = Path(arguments.output_dir)
+    atomic_write_text(folder / "results.json", json.dumps(results, indent=2) + "\n")
+    atomic_write_text(folder / "results.md", markdown_file(markdown(results), results["complete"]))
+    return [folder / "results.json", folder / "results.md"]
 
 
 def fmt(value: float | None) -> str:
@@ -207,9 +219,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     (arguments,) = parser.parse_args_into_dataclasses(args=argv)
     try:
         check(arguments)
-    except (ValueError, OutputDirError) as error:
-        parser.error(str(error))
-    results = run(arguments, on_result=lambda partial: write(arguments, partial))
+    except (ValueError, OutputDirError, ModelResolutionError) as error:
+        parser.exit(2, f"{PROG}: error: {error}\n")
+    written: list[Path] = []
+
+    def save(partial: dict[str, Any]) -> None:
+        written[:] = write(arguments, partial)
+
+    with exit_on_interrupt_or_oom(
+        PROG,
+        on_interrupt=lambda: kept(written),
+        on_out_of_memory=lambda error: f"out of memory in the benchmark's own process; {kept(written)}",
+    ):
+        results = run(arguments, on_result=save)
     print(markdown(results))
     if arguments.output_dir:
         write(arguments, results)

@@ -17,6 +17,8 @@ FAKE_RESULTS = {
     "stock_cb_sdpa": {"throughput_tokens_per_second": 125.0, "extra_memory_bytes": 1, "tokens_sha256": "a"},
     "static_flash": {"throughput_tokens_per_second": 40.0, "extra_memory_bytes": 1, "tokens_sha256": "a"},
 }
+# Prompts and new tokens within the tiny checkpoint's 128 positions.
+SHORT = ["--max_prompt_tokens", "64", "--max_new_tokens", "16"]
 TASK = {"prompt_lengths": [5, 30, 12, 20], "max_new_tokens": 3, "static_batch_size": 2, "max_batch_tokens": 64}
 
 
@@ -52,7 +54,7 @@ def test_the_driver_writes_the_table_with_both_targets_and_keeps_earlier_results
         return {**FAKE_RESULTS[task["path"]], "status": "ok", "seconds": 1.0, "peak_memory_bytes": 1 << 30}
 
     monkeypatch.setattr(workers, "run_worker", in_process)
-    argv = ["--model", checkpoint, "--repeats", "2", "--output_dir", str(tmp_path)]
+    argv = ["--model", checkpoint, *SHORT, "--repeats", "2", "--output_dir", str(tmp_path)]
     assert script.main(argv) == 0
     assert calls == [*cb_benchmark_worker.PATHS, *cb_benchmark_worker.PATHS[1:], cb_benchmark_worker.PATHS[0]]
     results = json.loads((tmp_path / "results.json").read_text())
@@ -79,6 +81,26 @@ def test_a_path_whose_requests_fail_is_an_error_not_a_fast_row(checkpoint, monke
     assert result["status"] == "error" and "requests failed" in result["error"]
 
 
+def test_requests_the_engine_refuses_are_an_error_with_their_reason(checkpoint):
+    result = cb_benchmark_worker.measure({**TASK, "prompt_lengths": [5, 126], "model": checkpoint, "path": "cb_flash"})
+    assert result == {
+        "status": "error",
+        "error": "1 of 2 requests failed; the first: the prompt's 126 tokens and max_new_tokens 3 pass the model's "
+        "context of 128 positions (max_position_embeddings): lower max_new_tokens to at most 2 or shorten the prompt.",
+    }
+
+
+def test_prompts_past_the_model_s_positions_are_a_usage_error_before_any_run(script, checkpoint, capsys, monkeypatch):
+    monkeypatch.setattr(workers, "run_worker", lambda *args, **kwargs: pytest.fail("a worker ran"))
+    with pytest.raises(SystemExit) as exit_info:
+        script.main(["--model", checkpoint, "--max_prompt_tokens", "120", "--max_new_tokens", "16"])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "benchmark_continuous_batching.py: error: --max_prompt_tokens 120 + --max_new_tokens 16 pass the model's 128 "
+        "positions (max_position_embeddings): lower them to 128 tokens in all."
+    ]
+
+
 @pytest.mark.parametrize(
     "argv, words",
     [
@@ -94,14 +116,37 @@ def test_bad_values_are_usage_errors(argv, words, script, capsys):
     assert words in capsys.readouterr().err
 
 
-def test_a_run_killed_midway_leaves_what_it_measured(script, checkpoint, tmp_path, monkeypatch):
+def test_a_run_killed_midway_leaves_what_it_measured_marked_incomplete_in_every_file(
+    script, checkpoint, tmp_path, monkeypatch, capsys
+):
     def interrupted_on_the_third(task, timeout, worker):
         if task["path"] == cb_benchmark_worker.PATHS[2]:
             raise KeyboardInterrupt
         return {**FAKE_RESULTS[task["path"]], "status": "ok", "seconds": 1.0, "peak_memory_bytes": 1 << 30}
 
     monkeypatch.setattr(workers, "run_worker", interrupted_on_the_third)
-    with pytest.raises(KeyboardInterrupt):
-        script.main(["--model", checkpoint, "--output_dir", str(tmp_path)])
+    with pytest.raises(SystemExit) as exit_info:
+        script.main(["--model", checkpoint, *SHORT, "--output_dir", str(tmp_path)])
+    assert exit_info.value.code == 130
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"benchmark_continuous_batching.py: interrupted: the measurements so far are in {tmp_path / 'results.json'}, "
+        f"{tmp_path / 'results.md'}, marked incomplete."
+    )
     results = json.loads((tmp_path / "results.json").read_text())
     assert results["complete"] is False and list(results["paths"]) == list(cb_benchmark_worker.PATHS[:2])
+    table = (tmp_path / "results.md").read_text()
+    assert table.startswith("**INCOMPLETE**: the run stopped before its end") and "| cb_flash" in table
+
+
+def test_ctrl_c_before_the_first_result_writes_nothing(script, checkpoint, tmp_path, monkeypatch, capsys):
+    def interrupted(task, timeout, worker):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(workers, "run_worker", interrupted)
+    with pytest.raises(SystemExit) as exit_info:
+        script.main(["--model", checkpoint, *SHORT, "--output_dir", str(tmp_path / "out")])
+    assert exit_info.value.code == 130
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "benchmark_continuous_batching.py: interrupted: nothing was written."
+    )
+    assert not (tmp_path / "out" / "results.json").exists()

@@ -4,6 +4,7 @@ No timing assertions: it checks the table's columns, the JSON, that every ratio 
 numbers, and the OOM and timeout cells. The workers are separate processes, as in real use.
 """
 
+import csv
 import json
 import os
 import shutil
@@ -104,7 +105,8 @@ def test_table_json_ratios_and_oom(script, checkpoint, tmp_path, capsys):
     assert f"| {long_row['Flash throughput [tokens/s]']}" in output
 
     csv_header = (output_dir / "results.csv").read_text().splitlines()[0]
-    assert csv_header.split(",") == COLUMNS
+    assert csv_header.split(",") == [*COLUMNS, "complete"]
+    assert {line.rsplit(",", 1)[1] for line in (output_dir / "results.csv").read_text().splitlines()[1:]} == {"yes"}
     assert (output_dir / "flash_attention.png").read_bytes().startswith(b"\x89PNG")
     assert results["memory_column"] == "process peak resident memory"
 
@@ -227,3 +229,29 @@ def test_floor_passes_v_through_for_each_query_head():
     assert torch.equal(output[:, :, 1], value[:, 0]) and torch.equal(output[:, :, 3], value[:, 1])
     decode, _ = floor_attention(None, query[:, :, -1:], value, value, None)
     assert torch.equal(decode[:, 0, 2], value[:, 1, -1])
+
+
+def test_ctrl_c_is_one_line_and_the_rows_so_far_are_marked_incomplete(
+    script, checkpoint, tmp_path, capsys, monkeypatch
+):
+    calls = []
+
+    def first_row_then_ctrl_c(task, timeout, worker):
+        calls.append(task)
+        if len(calls) > 3:  # the second row
+            raise KeyboardInterrupt
+        return {"status": "oom", "error": "stand-in"}
+
+    monkeypatch.setattr(inference_command, "run_worker", first_row_then_ctrl_c)
+    argv = ["--model_name_or_path", str(checkpoint), "--batch_sizes", "1", "--max_input_tokens", "16", "32"]
+    with pytest.raises(SystemExit) as exit_info:
+        script.main([*argv, "--max_new_tokens", "2", "--output_dir", str(tmp_path)])
+    assert exit_info.value.code == 130
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.strip().splitlines()[-1] == (
+        f"benchmark_flash_attention.py: interrupted: the measurements so far are in {tmp_path / 'results.json'}, "
+        f"{tmp_path / 'results.csv'}, marked incomplete."
+    )
+    assert json.loads((tmp_path / "results.json").read_text())["complete"] is False
+    (row,) = list(csv.DictReader((tmp_path / "results.csv").read_text().splitlines()))
+    assert row["Max input tokens"] == "16" and row["complete"] == "no"

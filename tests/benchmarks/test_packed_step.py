@@ -32,3 +32,17 @@ def test_bad_values_are_usage_errors(script, capsys):
     stderr = capsys.readouterr().err
     assert exit_info.value.code == 2 and "--examples must be at least 1, got 0" in stderr
     assert "Traceback" not in stderr
+
+
+def test_ctrl_c_is_one_line(script, capsys, monkeypatch):
+    def interrupted(path, argv, timeout):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(script, "run_path", interrupted)
+    with pytest.raises(SystemExit) as exit_info:
+        script.main(["--paths", "floor"])
+    assert exit_info.value.code == 130
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "benchmark_packed_step.py: interrupted: nothing was written (the table is printed once every path is "
+        "measured)."
+    ]

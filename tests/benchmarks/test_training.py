@@ -239,3 +239,29 @@ def test_oom_and_timeout_are_cells_and_any_other_failure_exits_1(tmp_path, monke
     assert "Flash step time vs stock sdpa: not measured" in out
     assert "smollm2-attn, 16384 tokens, BS 1, lora, GC on, eager path: RuntimeError: boom" in err
     assert "1 run(s) failed for a reason other than OOM or timeout" in err
+
+
+def test_ctrl_c_is_one_line_and_every_file_written_so_far_is_marked_incomplete(tmp_path, monkeypatch, capsys):
+    script, calls = load_script(), []
+    measured = stand_in_worker(calls)
+
+    def first_row_then_ctrl_c(task: dict, timeout: float) -> dict:
+        if len(calls) == len(script.PATHS):
+            raise KeyboardInterrupt
+        return measured(task, timeout)
+
+    monkeypatch.setattr(script, "run_worker", first_row_then_ctrl_c)
+    with pytest.raises(SystemExit) as exit_info:
+        script.main(["--tokens", "16", "32", "--output_dir", str(tmp_path)])
+    assert exit_info.value.code == 130
+    err = capsys.readouterr().err
+    files = ", ".join(str(tmp_path / name) for name in ("results.json", "results.csv", "results.md"))
+    assert "Traceback" not in err
+    assert err.strip().splitlines()[-1] == (
+        f"benchmark_training.py: interrupted: the measurements so far are in {files}, marked incomplete."
+    )
+    assert json.loads((tmp_path / "results.json").read_text())["complete"] is False
+    with open(tmp_path / "results.csv", newline="") as file:
+        assert {line["complete"] for line in csv.DictReader(file)} == {"no"}
+    assert (tmp_path / "results.md").read_text().startswith("**INCOMPLETE**: the run stopped before its end")
+    assert not (tmp_path / "training.png").exists()

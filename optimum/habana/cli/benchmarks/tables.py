@@ -1,9 +1,10 @@
-"""What every benchmark report shares: cells (a failed measurement reads OOM, timeout or error), table formats, and
-the plots' two log-scaled panels."""
+"""What every benchmark report shares: cells (a failed measurement reads OOM, timeout or error), table formats, the
+incomplete mark of a run's files written before its end, and the plots' two log-scaled panels."""
 
 import csv
 import io
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from tabulate import tabulate
@@ -30,12 +31,29 @@ def markdown_table(rows: Sequence[dict[str, str]]) -> str:
     return tabulate(rows, headers="keys", tablefmt="github", disable_numparse=True)
 
 
-def csv_text(rows: Sequence[dict[str, str]]) -> str:
+# The first line of a Markdown report written before the run's end (Ctrl-C, a kill): its rows are not all there.
+INCOMPLETE = "**INCOMPLETE**: the run stopped before its end; these are the measurements made so far."
+
+
+def markdown_file(text: str, complete: bool) -> str:
+    """A Markdown report as written to a file: marked INCOMPLETE on its first line until the run ends."""
+    return text if complete else f"{INCOMPLETE}\n\n{text}"
+
+
+def csv_text(rows: Sequence[dict[str, str]], complete: bool = True) -> str:
+    """The rows, each with a last `complete` column: "no" in a file written before the run's end."""
     buffer = io.StringIO()
-    writer = csv.DictWriter(buffer, fieldnames=list(rows[0]))
+    writer = csv.DictWriter(buffer, fieldnames=[*rows[0], "complete"])
     writer.writeheader()
-    writer.writerows(rows)
+    writer.writerows({**row, "complete": "yes" if complete else "no"} for row in rows)
     return buffer.getvalue()
+
+
+def kept(written: Sequence[Path]) -> str:
+    """What Ctrl-C leaves, for its one line: the files written so far (marked incomplete), or nothing."""
+    if not written:
+        return "nothing was written."
+    return f"the measurements so far are in {', '.join(str(path) for path in written)}, marked incomplete."
 
 
 def side_by_side_axes(width: float, height: float) -> tuple[Any, tuple[Any, Any]]:

@@ -68,9 +68,16 @@ def greedy_config(path: str, new_tokens: int, pad_token_id: int) -> GenerationCo
     return GenerationConfig(**values)
 
 
+class RequestsFailed(RuntimeError):
+    """Requests the engine answered with an error: the path's measurement would be of fewer tokens."""
+
+
 def serve_continuously(model: Any, requests: list[list[int]], config: GenerationConfig, task: dict) -> list[list[int]]:
     engine = engine_config([len(ids) for ids in requests], config.max_new_tokens, task["max_batch_tokens"])
     outputs = model.generate_batch(inputs=requests, generation_config=config, continuous_batching_config=engine)
+    failed = [output for output in outputs.values() if output.error is not None]
+    if failed:
+        raise RequestsFailed(f"{len(failed)} of {len(requests)} requests failed; the first: {failed[0].error}")
     return [list(output.generated_tokens) for output in outputs.values()]
 
 
@@ -107,7 +114,10 @@ def measure(task: dict[str, Any]) -> dict[str, Any]:
     resident = memory_stats(CPU)["allocated"]
     reset_peak_memory(CPU)
     start = time.perf_counter()
-    generated = serve(model, requests, config, task)
+    try:
+        generated = serve(model, requests, config, task)
+    except RequestsFailed as error:
+        return {"status": "error", "error": str(error)}
     seconds = time.perf_counter() - start
     new_tokens = sum(len(tokens) for tokens in generated)
     expected = len(requests) * task["max_new_tokens"]

@@ -19,9 +19,9 @@ from tqdm import tqdm
 from transformers import AutoConfig, HfArgumentParser
 
 from optimum.habana.cli.benchmarks.models import PRESETS, ModelSpec, checkpoint_path
-from optimum.habana.cli.benchmarks.tables import GB, markdown_table
+from optimum.habana.cli.benchmarks.tables import GB, kept, markdown_table
 from optimum.habana.cli.benchmarks.workers import memory_budget_bytes, ratio, run_worker
-from optimum.habana.cli.common import OutputDirError, writable_folder
+from optimum.habana.cli.common import OutputDirError, exit_on_interrupt_or_oom, writable_folder
 from optimum.habana.utils.devices import default_dtype, resolve_device
 from optimum.habana.utils.model_loading import ModelResolutionError
 
@@ -173,36 +173,40 @@ def run(arguments: BenchmarkArguments, parser: HfArgumentParser) -> int:
     )
     total = sum(len(paths_for(arguments, index)) for index in range(len(rows))) + arguments.attention_kernel_report
     progress = tqdm(total=total, unit="run", desc="benchmark", file=sys.stderr, disable=None)
-    records = []
-    for index, row in enumerate(rows):
-        results = {}
-        for path in paths_for(arguments, index):
-            progress.set_postfix_str(f"BS {row.batch_size}, in {row.input_tokens}, new {row.new_tokens}: {path}")
-            results[path] = run_worker(
-                row_task(row, path, arguments, device, dtype, budget), arguments.timeout, WORKER
-            )
+    records, written, kernel = [], [], None
+    with exit_on_interrupt_or_oom(
+        parser.prog,
+        on_interrupt=lambda: kept(written),
+        on_out_of_memory=lambda error: f"out of memory in the benchmark's own process; {kept(written)}",
+    ):
+        for index, row in enumerate(rows):
+            results = {}
+            for path in paths_for(arguments, index):
+                progress.set_postfix_str(f"BS {row.batch_size}, in {row.input_tokens}, new {row.new_tokens}: {path}")
+                results[path] = run_worker(
+                    row_task(row, path, arguments, device, dtype, budget), arguments.timeout, WORKER
+                )
+                progress.update()
+            records.append(summarize_row(row, results))
+            if output_dir:  # rows so far, so that an interrupted grid still leaves its measurements
+                written = write_results(output_dir, arguments, device, dtype, records, None, complete=False)
+        if arguments.attention_kernel_report:
+            progress.set_postfix_str("attention kernel")
+            kernel_task = {
+                "kind": "kernel",
+                "device": device.type,
+                "dtype": str(dtype).removeprefix("torch."),
+                "heads": KERNEL_HEADS,
+                "head_dim": KERNEL_HEAD_DIM,
+                "input_tokens": arguments.kernel_tokens,
+                "gemm_size": 2048,
+                "seed": arguments.seed,
+                "warmup": 1,
+                "n_iterations": 3,
+                "threads": arguments.threads,
+            }
+            kernel = run_worker(kernel_task, arguments.timeout, WORKER)
             progress.update()
-        records.append(summarize_row(row, results))
-        if output_dir:  # rows so far, so that an interrupted grid still leaves its measurements
-            write_results(output_dir, arguments, device, dtype, records, None, complete=False)
-    kernel = None
-    if arguments.attention_kernel_report:
-        progress.set_postfix_str("attention kernel")
-        kernel_task = {
-            "kind": "kernel",
-            "device": device.type,
-            "dtype": str(dtype).removeprefix("torch."),
-            "heads": KERNEL_HEADS,
-            "head_dim": KERNEL_HEAD_DIM,
-            "input_tokens": arguments.kernel_tokens,
-            "gemm_size": 2048,
-            "seed": arguments.seed,
-            "warmup": 1,
-            "n_iterations": 3,
-            "threads": arguments.threads,
-        }
-        kernel = run_worker(kernel_task, arguments.timeout, WORKER)
-        progress.update()
     progress.close()
 
     table = table_rows(records, arguments)

@@ -127,7 +127,7 @@ def write_results(
         "attention_kernel": kernel,
     }
     atomic_write_text(output_dir / "results.json", json.dumps(report, indent=2) + "\n")
-    atomic_write_text(output_dir / "results.csv", csv_text(table))
+    atomic_write_text(output_dir / "results.csv", csv_text(table, complete))
     written = [output_dir / name for name in RESULT_FILES]
     if complete and arguments.plot:
         atomic_write_bytes(output_dir / PLOT_FILE, plot_png(records))

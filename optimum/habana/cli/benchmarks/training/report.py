@@ -15,6 +15,7 @@ from optimum.habana.cli.benchmarks.tables import (
     GB,
     cell,
     csv_text,
+    markdown_file,
     markdown_table,
     number,
     png_bytes,
@@ -194,8 +195,9 @@ def write_results(
         "targets": target_lines(records),
     }
     atomic_write_text(output_dir / "results.json", json.dumps(report, indent=2) + "\n")
-    atomic_write_text(output_dir / "results.csv", csv_text(csv_rows(records, arguments.paths)))
-    atomic_write_text(output_dir / "results.md", f"{header}\n\n{markdown_report(records, arguments.paths, notes)}")
+    atomic_write_text(output_dir / "results.csv", csv_text(csv_rows(records, arguments.paths), complete))
+    report_text = f"{header}\n\n{markdown_report(records, arguments.paths, notes)}"
+    atomic_write_text(output_dir / "results.md", markdown_file(report_text, complete))
     written = [output_dir / name for name in RESULT_FILES]
     if complete:
         written.append(atomic_write_bytes(output_dir / PLOT_FILE, plot_png(records, arguments.paths)))
