@@ -17,29 +17,10 @@ import warnings
 from collections.abc import Sequence
 
 import torch
-from lm_eval import evaluator
 
 from optimum.habana import hpu
 from optimum.habana.cli.adapters import apply_peft_adapter, check_adapter_folder
-from optimum.habana.cli.common import exit_on_interrupt_or_oom
-from optimum.habana.cli.evaluation.lm_eval.arguments import (
-    build_parser,
-    check_output_file,
-    evaluation_buckets,
-    evaluation_notes,
-    merged_gen_kwargs,
-    parse_arguments,
-    parse_metadata,
-)
-from optimum.habana.cli.evaluation.lm_eval.harness import (
-    TaskDataError,
-    check_task_data,
-    configure_lm_eval_logging,
-    select_tasks,
-    summary_tables,
-    write_results,
-)
-from optimum.habana.cli.evaluation.lm_eval.model import LM_EVAL_MAX_GEN_TOKS, EvalOptions, GaudiEvalLM
+from optimum.habana.cli.common import exit_on_interrupt_or_oom, missing_extra
 from optimum.habana.cli.generation import multi_process
 from optimum.habana.cli.generation.arguments import resolve_execution, usage_error
 from optimum.habana.cli.generation.explain import explain
@@ -48,6 +29,31 @@ from optimum.habana.cli.generation.report import format_bytes
 from optimum.habana.utils.devices import memory_stats, reset_peak_memory
 from optimum.habana.utils.distributed import launch_environment
 from optimum.habana.utils.model_loading import ModelResolutionError
+
+
+try:  # lm-evaluation-harness: the `eval` extra
+    from lm_eval import evaluator
+
+    from optimum.habana.cli.evaluation.lm_eval.arguments import (
+        build_parser,
+        check_output_file,
+        evaluation_buckets,
+        evaluation_notes,
+        merged_gen_kwargs,
+        parse_arguments,
+        parse_metadata,
+    )
+    from optimum.habana.cli.evaluation.lm_eval.harness import (
+        TaskDataError,
+        check_task_data,
+        configure_lm_eval_logging,
+        select_tasks,
+        summary_tables,
+        write_results,
+    )
+    from optimum.habana.cli.evaluation.lm_eval.model import LM_EVAL_MAX_GEN_TOKS, EvalOptions, GaudiEvalLM
+except ImportError as error:
+    sys.exit(missing_extra("run_lm_eval.py", error, "lm_eval", "lm-evaluation-harness", "eval"))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -308,3 +308,33 @@ def test_setup_ships_every_task_file():
     shipped = {path for pattern in re.findall(r'"([^"]+)"', patterns) for path in package.glob(pattern)}
     data_files = {path for path in SHIPPED_TASKS_DIR.rglob("*") if path.suffix in {".yaml", ".jsonl", ".md"}}
     assert data_files and data_files <= shipped
+
+
+@pytest.mark.parametrize(
+    "missing, words",
+    [
+        ("lm_eval", "lm-evaluation-harness is not installed; it is the `eval` extra: "),
+        ("sqlitedict", "lm-evaluation-harness cannot be imported ("),
+    ],
+)
+def test_without_lm_eval_the_script_says_which_extra_to_install(missing, words, monkeypatch):
+    """`lm_eval` missing (or one of its own dependencies): one line naming the `eval` extra, exit status 1."""
+    for name in [name for name in sys.modules if name.startswith("optimum.habana.cli.evaluation.lm_eval.")]:
+        monkeypatch.delitem(sys.modules, name)
+    if missing == "lm_eval":
+        monkeypatch.setitem(sys.modules, "lm_eval", None)  # import lm_eval raises ModuleNotFoundError
+    else:
+        original = __import__
+
+        def broken_dependency(name, *args, **kwargs):
+            if name == "lm_eval":
+                raise ModuleNotFoundError(f"No module named {missing!r}", name=missing)
+            return original(name, *args, **kwargs)
+
+        monkeypatch.setattr("builtins.__import__", broken_dependency)
+    with pytest.raises(SystemExit) as exit_info:
+        load_script("examples/text-generation/run_lm_eval.py")
+    message = exit_info.value.code  # sys.exit(message): Python prints it to stderr and exits with status 1
+    assert isinstance(message, str) and "\n" not in message
+    assert message.startswith(f"run_lm_eval.py: error: {words}")
+    assert message.endswith("pip install 'optimum-gaudi-flash[eval]' (make install includes it).")

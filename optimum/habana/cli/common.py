@@ -150,6 +150,14 @@ def _exit(status: int, line: str) -> None:
     raise SystemExit(status)
 
 
+def missing_extra(prog: str, error: ImportError, module: str, what: str, extra: str) -> str:
+    """The one line for a script whose optional dependency (a package extra) is missing or cannot be imported."""
+    install = f"pip install 'optimum-gaudi-flash[{extra}]' (make install includes it)"
+    if (error.name or "").split(".")[0] == module:
+        return f"{prog}: error: {what} is not installed; it is the `{extra}` extra: {install}."
+    return f"{prog}: error: {what} cannot be imported ({error}): reinstall the `{extra}` extra: {install}."
+
+
 def hardware() -> dict[str, Any]:
     """The machine a result was measured on, for the result files."""
     cpu = platform.processor() or platform.machine()
