@@ -23,8 +23,10 @@ INSTALL_REQUIRES = [
 EXTRAS = {
     # What the scripts in examples/ and their code, `optimum.habana.cli`, need.
     "examples": ["datasets>=3", "peft>=0.17", "tqdm>=4.60", "tabulate>=0.9", "matplotlib>=3.8"],
-    # filelock: tests/test_multi_device.py starts its multi-process runs once per session, even under xdist.
-    "tests": ["pytest>=8", "pytest-xdist>=3", "ruff>=0.6", "filelock>=3"],
+    # filelock: tests/generation/test_multi_device.py starts its multi-process runs once per session, even under
+    # xdist. trl: tests/finetuning/test_trl.py trains with TRL's SFTTrainer (1.16 installs with the pinned torch and
+    # transformers).
+    "tests": ["pytest>=8", "pytest-xdist>=3", "ruff>=0.6", "filelock>=3", "trl>=1.16,<2"],
     # `python -m optimum.habana.serve`: transformers' server and its dependencies (fastapi, uvicorn, openai, ...).
     "serving": ["transformers[serving]>=5.23,<5.24"],
     # examples/text-generation/run_lm_eval.py: lm-evaluation-harness; 0.4.9.x (Optimum-Habana's pin) does not import
