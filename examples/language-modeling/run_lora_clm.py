@@ -110,6 +110,7 @@ def run(
 ) -> dict[str, Any]:
     model_args, data_args, lora_args, attention_args = args.model, args.data, args.lora, args.attention
     generation_args, output_args, training_args = args.generation, args.output, args.training
+    schedules: list[TrainerCallback] = []  # callbacks that adjust the training schedule
     try:
         check_numbers(args)
         peft_methods.check_peft_arguments(args.peft, lora_args)
@@ -149,6 +150,9 @@ def run(
             adapters.check_adapter_folder(checkpoint, "--resume_from_checkpoint")
             if problem := run_record.resume_problem(checkpoint, arguments_of_this_run):
                 raise FineTuningError(f"--resume_from_checkpoint: {problem}")
+            longer = run_record.resume_notes(checkpoint, arguments_of_this_run)
+            notes += longer
+            schedules += [run_record.LongerRunSchedule()] if longer else []
         progress.phase = "loading the data"
         raw_datasets, data_format = data.load_raw_datasets(
             train_file=train_file,
@@ -237,7 +241,7 @@ def run(
     logger.info("Data: %s, %s", data_format, {split: dataset.num_rows for split, dataset in datasets.items()})
 
     throughput = ThroughputAfterWarmup(args.gaudi.throughput_warmup_steps, adjust=args.gaudi.adjust_throughput)
-    schedules = [peft_methods.AdaLoraSchedule()] if args.peft.peft_type == "adalora" else []
+    schedules += [peft_methods.AdaLoraSchedule()] if args.peft.peft_type == "adalora" else []
     trainer = FiniteLossTrainer(
         model=model,
         args=training_args,

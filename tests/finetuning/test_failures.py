@@ -182,6 +182,20 @@ CASES = {
         ["unrecognized arguments: --world_size 8 --use_deepspeed"]
         + ([] if torch.cuda.is_available() else ["--use_deepspeed; Your setup doesn't support bf16"]),
     ),
+    "every field of every row blank, padding-free": Case(
+        lambda c: c.args(
+            "--train_file",
+            c.file("d.jsonl", '{"instruction": "", "input": "", "output": " "}\n' * 4),
+            "--padding_free",
+        ),
+        2,
+        ["d.jsonl", "has no examples: the instruction, input, output of every row are blank"],
+    ),
+    "--fsdp with an unknown option, one process": Case(
+        lambda c: c.args("--fsdp", "bogus_value"),
+        2,
+        ["--fsdp 'bogus_value': 'bogus_value' is not an FSDP option", "full_shard", "auto_wrap"],
+    ),
     "--padding_free with --dataset_concatenation": Case(
         lambda c: c.args("--padding_free", "--dataset_concatenation"),
         2,
@@ -238,10 +252,15 @@ CASES = {
         2,
         ["checkpoint-2", "other arguments", "--learning_rate 5e-05 there, 0.0005 here", "--seed 0 there, 7 here"],
     ),
-    "resume with another --max_steps": Case(
-        lambda c: c.args("--resume_from_checkpoint", c.copied_checkpoint(), "--max_steps", "3"),
+    "resume with a smaller --max_steps": Case(
+        lambda c: c.args("--resume_from_checkpoint", c.copied_checkpoint(), "--max_steps", "1"),
         2,
-        ["--max_steps 2 there, 3 here", "--overwrite_output_dir"],
+        ["--max_steps 2 there, 1 here", "--overwrite_output_dir"],
+    ),
+    "resume with a larger --max_steps and another seed": Case(
+        lambda c: c.args("--resume_from_checkpoint", c.copied_checkpoint(), "--max_steps", "4", "--seed", "7"),
+        2,
+        ["other arguments (--seed 0 there, 7 here)"],
     ),
     "resume with other data": Case(
         lambda c: c.args(
@@ -393,6 +412,42 @@ def test_resume_true_continues_from_the_last_checkpoint_and_keeps_the_others(
     assert snapshot(output_dir / "checkpoint-1") == kept
 
 
+class LearningRates(TrainerCallback):
+    def __init__(self) -> None:
+        self.by_step: dict[int, float] = {}
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if "learning_rate" in logs:
+            self.by_step[state.global_step] = logs["learning_rate"]
+
+
+def test_a_larger_max_steps_trains_longer_and_says_where_the_schedule_now_ends(
+    script, checkpoint, earlier_run, tmp_path, caplog
+):
+    """As transformers' Trainer allows: checkpoint-2 of a 2-step run continues to step 4, its linear schedule
+    rebuilt for 4 steps from the first resumed step on (step k runs at 5e-5 * (4 - (k - 1)) / 4, the rate logged;
+    the Trainer alone would run step 3 at the 2-step schedule's final rate, 0)."""
+    output_dir = shutil.copytree(earlier_run, tmp_path / "out")
+    rates = LearningRates()
+    argv = script_args(checkpoint, output_dir, *TRAIN.split(), "--resume_from_checkpoint", "True", "--max_steps", "4")
+    with caplog.at_level("WARNING"):
+        script.main(argv, callbacks=[rates])
+    assert (
+        "--resume_from_checkpoint: training longer than checkpoint-2's run (--max_steps 2 there, 4 here): the "
+        "learning-rate schedule (linear) now ends at step 4 instead of 2." in caplog.text
+    )
+    state = json.loads((output_dir / "trainer_state.json").read_text())
+    assert state["global_step"] == 4 and [entry["step"] for entry in state["log_history"] if "loss" in entry] == [
+        1,
+        2,
+        3,
+        4,
+    ]
+    assert rates.by_step.keys() >= {3, 4}
+    for step in (3, 4):
+        assert rates.by_step[step] == pytest.approx(5e-5 * (4 - (step - 1)) / 4)
+
+
 class InterruptAfterSave(TrainerCallback):
     """Ctrl-C right after checkpoint-`step` is complete: a run killed between two checkpoints."""
 
@@ -473,6 +528,10 @@ def test_skipped_rows_are_counted(script, checkpoint, tmp_path, caplog):
     data.write_text(JSONL_ROW * 4 + long_prompt)
     script.main(script_args(checkpoint, tmp_path / "out2", *TRAIN.split(), "--train_file", str(data)))
     assert "Skipped 1 of 5 examples" in caplog.text
+    caplog.clear()
+    data.write_text(JSONL_ROW * 4 + '{"instruction": " ", "input": "", "output": ""}\n' * 2)
+    script.main(script_args(checkpoint, tmp_path / "out3", *TRAIN.split(), "--train_file", str(data)))
+    assert "skipped 2 rows whose instruction, input, output are all blank" in caplog.text
 
 
 def test_bf16_on_a_cpu_that_emulates_it_is_said_once(script, checkpoint, tmp_path, caplog, monkeypatch):

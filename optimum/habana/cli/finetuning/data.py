@@ -119,6 +119,14 @@ def load_raw_datasets(
         datasets = DatasetDict(
             {split: rename_columns(data, options["columns"], dataset_name) for split, data in datasets.items()}
         )
+        datasets = DatasetDict(
+            {
+                split: drop_blank_rows(data, f"The dataset {dataset_name!r} ({split})")
+                if set(REQUIRED_INSTRUCTION_FIELDS) <= set(data.column_names)
+                else data
+                for split, data in datasets.items()
+            }
+        )
     else:
         if train_file is None:
             raise FineTuningError("No training data: pass --train_file or --dataset_name.")
@@ -195,6 +203,7 @@ def load_data_file(
     if set(REQUIRED_INSTRUCTION_FIELDS) <= set(dataset.column_names):
         for name in REQUIRED_INSTRUCTION_FIELDS:
             check_no_missing_values(dataset, name, file, argument)
+        dataset = drop_blank_rows(dataset, f"{argument} {path!r}")
     elif TEXT_FIELD in dataset.column_names:
         if builder != "text":
             check_no_missing_values(dataset, TEXT_FIELD, file, argument)
@@ -205,6 +214,22 @@ def load_data_file(
             logger.warning("%s %r: skipped %d rows with a blank text.", argument, path, rows - dataset.num_rows)
     if dataset.num_rows == 0:
         raise FineTuningError(f"{argument} {path!r} has no examples.")
+    return dataset
+
+
+def drop_blank_rows(dataset: Dataset, source: str) -> Dataset:
+    """Instruction rows with every field blank, skipped and counted; none left is a FineTuningError. Such a row
+    holds nothing of the data: its tokens are the prompt template's and the end token, which would train the
+    adapter to answer nothing (and a run of nothing but such rows would train and exit 0)."""
+    fields = [name for name in INSTRUCTION_FIELDS if name in dataset.column_names]
+    rows = dataset.num_rows
+    dataset = dataset.filter(lambda example: any(str(example[name] or "").strip() for name in fields))
+    if dataset.num_rows == 0:
+        raise FineTuningError(f"{source} has no examples: the {', '.join(fields)} of every row are blank.")
+    if dataset.num_rows < rows:
+        logger.warning(
+            "%s: skipped %d rows whose %s are all blank.", source, rows - dataset.num_rows, ", ".join(fields)
+        )
     return dataset
 
 

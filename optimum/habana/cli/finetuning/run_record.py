@@ -2,8 +2,9 @@
 
 The Trainer writes every `ExportableState` callback's state into a checkpoint's `trainer_state.json`, the file it
 writes last, so a complete checkpoint always carries its run's arguments. Resuming compares them with the command
-line: a checkpoint of another run (another learning rate, seed, step count, model or data) is refused, naming the
-differences, instead of silently mixing two runs.
+line: a checkpoint of another run (another learning rate, seed, model or data) is refused, naming the differences,
+instead of silently mixing two runs. Training longer (a larger --max_steps or --num_train_epochs, as the Trainer
+allows) continues the run, with a note that the learning-rate schedule now ends at the new step or epoch.
 """
 
 import json
@@ -61,6 +62,10 @@ RUN_DEFINING_ARGUMENTS = (
 )
 
 
+# A larger value continues the same run for longer; the Trainer rebuilds its schedule for the new length.
+LONGER = {"max_steps": "step", "num_train_epochs": "epoch"}
+
+
 # Compared as absolute paths when they name something local, so that `data.jsonl` and `./data.jsonl` agree.
 PATH_ARGUMENTS = ("model_name_or_path", "train_file")
 
@@ -116,7 +121,7 @@ def resume_problem(checkpoint: Path, current: dict[str, Any]) -> str | None:
     differences = [
         f"--{name} {_shown(recorded[name])} there, {_shown(value)} here"
         for name, value in current.items()
-        if name in recorded and recorded[name] != value
+        if name in recorded and recorded[name] != value and not _longer(name, recorded[name], value)
     ]
     if not differences:
         return None
@@ -125,6 +130,41 @@ def resume_problem(checkpoint: Path, current: dict[str, Any]) -> str | None:
         "arguments, or start a new run with --overwrite_output_dir (which removes the earlier run's checkpoints) "
         "or another --output_dir."
     )
+
+
+def resume_notes(checkpoint: Path, current: dict[str, Any]) -> list[str]:
+    """What resuming with a larger --max_steps / --num_train_epochs changes: where the schedule now ends."""
+    recorded = recorded_arguments(checkpoint) or {}
+    schedule = current.get("lr_scheduler_type") or "linear"
+    return [
+        f"--resume_from_checkpoint: training longer than {checkpoint.name}'s run (--{name} {_shown(recorded[name])} "
+        f"there, {_shown(current[name])} here): the learning-rate schedule ({schedule}) now ends at {unit} "
+        f"{_shown(current[name])} instead of {_shown(recorded[name])}."
+        for name, unit in LONGER.items()
+        if name in recorded and name in current and _longer(name, recorded[name], current[name])
+    ]
+
+
+class LongerRunSchedule(TrainerCallback):
+    """On a resume that trains longer: the first resumed step at the rebuilt schedule's rate. The Trainer builds
+    the schedule for the new length but restores the optimizer's rate from the checkpoint, where the shorter
+    schedule left it (0 at the end of a linear one), so that step would run at the old rate."""
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        optimizer, scheduler = kwargs.get("optimizer"), kwargs.get("lr_scheduler")
+        lambdas = getattr(scheduler, "lr_lambdas", None)  # LambdaLR: every schedule of transformers' get_scheduler
+        if optimizer is None or not lambdas:
+            return
+        rates = [base * rate(scheduler.last_epoch) for base, rate in zip(scheduler.base_lrs, lambdas, strict=True)]
+        for group, rate in zip(optimizer.param_groups, rates, strict=True):
+            group["lr"] = rate
+        scheduler._last_lr = rates  # what get_last_lr() (the logged learning_rate) answers until the next step
+
+
+def _longer(name: str, recorded: Any, value: Any) -> bool:
+    """A larger positive step or epoch count than the checkpoint's run: the same run, trained for longer."""
+    numbers = all(isinstance(item, (int, float)) and not isinstance(item, bool) for item in (recorded, value))
+    return name in LONGER and numbers and 0 < recorded < value
 
 
 def _shown(value: Any) -> str:

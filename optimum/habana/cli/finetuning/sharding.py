@@ -7,7 +7,8 @@ so that a command line written for Gaudi either trains or stops with one line:
   PackageNotFoundError traceback). Launched as one process, DeepSpeed gets the one-process group it needs (it
   would otherwise look for MPI), and one line says that nothing is sharded.
 - `--fsdp` shards the model over the processes of a `torchrun` launch. Launched as one process (Optimum-Habana's
-  launcher prefix removed) there is nothing to shard: one line says so and the run trains unsharded.
+  launcher prefix removed) there is nothing to shard: one line says so and the run trains unsharded. Its value is
+  checked either way (the Trainer refuses an unknown option only when it gets the flag).
 - `--fsdp_config` must be a readable JSON file, and its `transformer_layer_cls_to_wrap` names Optimum-Habana's
   classes (`GaudiLlamaDecoderLayer`); the decoder layers here are transformers' own (`LlamaDecoderLayer`), so such a
   name is read as that class, with one line.
@@ -19,6 +20,8 @@ import os
 import socket
 from pathlib import Path
 from typing import Any
+
+from transformers.trainer_utils import FSDPOption
 
 from optimum.habana.utils import distributed
 from optimum.habana.utils.distributed import LaunchEnvironment
@@ -85,6 +88,8 @@ def prepare_sharding_arguments(argv: list[str], launch: LaunchEnvironment) -> tu
     fsdp_config = option_value(argv, "--fsdp_config")
     if fsdp_config is not None:
         check_json_file("--fsdp_config", fsdp_config)
+    if fsdp is not None:
+        check_fsdp_value(fsdp)
     if fsdp is not None and not launch.is_distributed:
         notes.append(
             f"--fsdp {fsdp}: one process here, so there is nothing to shard: training runs unsharded. Launch with "
@@ -92,6 +97,18 @@ def prepare_sharding_arguments(argv: list[str], launch: LaunchEnvironment) -> tu
         )
         argv = without_options(argv, SHARDING_OPTIONS)
     return argv, notes
+
+
+def check_fsdp_value(value: str) -> None:
+    """The Trainer's own rule for `--fsdp` (space-separated FSDPOption names), checked also when one process drops
+    the option: a value it would refuse under torchrun is refused here too, not silently ignored."""
+    options = [option.value for option in FSDPOption]
+    unknown = [token for token in value.split() if token not in options]
+    if unknown:
+        raise ValueError(
+            f"--fsdp {value!r}: {unknown[0]!r} is not an FSDP option; give one or more (space-separated, quoted) of "
+            f"{', '.join(options)}, e.g. --fsdp 'full_shard auto_wrap'."
+        )
 
 
 def start_one_process_group() -> None:
