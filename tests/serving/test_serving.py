@@ -8,84 +8,34 @@ import http.client
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import threading
-import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import pytest
 import torch
 from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
 
+from optimum.habana.cli.serving.command import main as serve_main
+from optimum.habana.cli.serving.server import GaudiServe
 from optimum.habana.transformers import GaudiLlamaForCausalLM
 from optimum.habana.utils.model_loading import CACHE_ENV_VAR
 from tests.helpers import count_attention_paths, save_tiny_checkpoint, train_tiny_tokenizer
+from tests.serving.servers import (
+    CB_ENDLESS,
+    CB_OPTIONS,
+    LONG_CB_CACHE,
+    MAX_TOKENS,
+    TIMEOUT_S,
+    RunningServer,
+    free_port,
+    openai,
+    wait_until_healthy,
+)
 
 
-openai = pytest.importorskip("openai", reason="the serving extra is not installed")
-from optimum.habana.cli.serving.command import main as serve_main  # noqa: E402
-from optimum.habana.cli.serving.server import GaudiServe  # noqa: E402
-
-
-MAX_TOKENS = 10
 QUESTIONS = ["Hello there", "Tell me about Gaudi and flash attention", "2 + 2 =", "Why is the sky blue?"]
-# A small paged cache: transformers sizes it from the free memory otherwise, seconds of allocation here.
-CB_OPTIONS = {"cb_block_size": 16, "cb_num_blocks": 64, "cb_max_batch_tokens": 128}
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-def wait_until_healthy(base_url: str, timeout_s: float = 120, process: subprocess.Popen | None = None) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if process is not None and process.poll() is not None:
-            raise AssertionError(f"the server exited with {process.returncode}: {process.stderr.read()}")
-        try:
-            with urllib.request.urlopen(f"{base_url}/health", timeout=2) as response:
-                if response.status == 200:
-                    return
-        except OSError:
-            time.sleep(0.2)
-    raise AssertionError(f"no healthy server at {base_url} after {timeout_s} s")
-
-
-class RunningServer:
-    def __init__(self, checkpoint: Path, flags: dict[str, bool], **options):
-        self.port = free_port()
-        self.base_url = f"http://127.0.0.1:{self.port}"
-        self.serve = GaudiServe(
-            attention_flags=flags,
-            force_model=str(checkpoint),
-            device="cpu",
-            host="127.0.0.1",
-            port=self.port,
-            non_blocking=True,
-            **options,
-        )
-        wait_until_healthy(self.base_url)
-        self.model_id = str(checkpoint)
-        self.client = openai.OpenAI(base_url=f"{self.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
-
-    def chat(self, question: str, **kwargs) -> str:
-        answer = self.client.chat.completions.create(
-            model=self.model_id,
-            messages=[{"role": "user", "content": question}],
-            max_tokens=MAX_TOKENS,
-            temperature=0,
-            **kwargs,
-        )
-        return answer.choices[0].message.content
-
-    def stop(self) -> None:
-        self.serve.kill_server()
 
 
 @pytest.fixture(scope="module")
@@ -200,17 +150,6 @@ def test_completions_and_responses_endpoints_answer_the_same_with_and_without_th
     assert responses["cb_flash"] == responses["cb_default"] != ""
 
 
-def post(server: RunningServer, path: str, body: bytes) -> tuple[int, str]:
-    request = urllib.request.Request(
-        f"{server.base_url}{path}", data=body, headers={"Content-Type": "application/json"}, method="POST"
-    )
-    try:
-        with urllib.request.urlopen(request, timeout=60) as response:
-            return response.status, response.read().decode()
-    except urllib.error.HTTPError as error:
-        return error.code, error.read().decode()
-
-
 @pytest.mark.parametrize(
     "body, status, words",
     [
@@ -220,15 +159,15 @@ def post(server: RunningServer, path: str, body: bytes) -> tuple[int, str]:
             422,
             "no_such_field",
         ),
-        (json.dumps({"model": "someone/else", "messages": []}).encode(), 400, "pinned"),
+        (json.dumps({"model": "someone/else", "messages": []}).encode(), 404, "pinned"),
     ],
     ids=["not-json", "unknown-field", "other-model"],
 )
 def test_malformed_request_gets_a_4xx_and_the_server_stays_up(body, status, words, servers, expected_texts):
     server = servers["cb_flash"]
-    code, text = post(server, "/v1/chat/completions", body)
-    assert code == status, text
-    assert words in text.lower()
+    code, answer, _ = server.post("/v1/chat/completions", body)
+    assert code == status, answer
+    assert words in answer["error"]["message"].lower()
     assert server.chat(QUESTIONS[0]) == expected_texts[QUESTIONS[0]]
 
 
@@ -239,7 +178,7 @@ def test_a_client_that_disconnects_mid_stream_leaves_the_server_serving(name, se
     body = {
         "model": server.model_id,
         "messages": [{"role": "user", "content": QUESTIONS[1]}],
-        "max_tokens": 100,
+        "max_tokens": 80,  # within the tiny model's 128 positions
         "stream": True,
     }
     connection.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
@@ -289,29 +228,40 @@ def test_an_option_transformers_serve_does_not_have_is_refused():
         GaudiServe(no_such_option=1)
 
 
-def test_the_documented_command_serves_with_the_flag(checkpoint, tmp_path):
+def test_the_documented_command_serves_with_the_flag_and_sigterm_ends_it_in_seconds(long_checkpoint, tmp_path):
+    """SIGTERM during a stream that would run for minutes: the stream ends with an error event and `[DONE]`, and
+    the process exits (within the bound of `communicate`, well below the stream's length)."""
     port = free_port()
     env = {**os.environ, CACHE_ENV_VAR: str(tmp_path), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     command = [
         sys.executable,
         "-m",
         "optimum.habana.serve",
-        str(checkpoint),
+        str(long_checkpoint),
         "--host",
         "127.0.0.1",
         "--port",
         str(port),
     ]
-    command += ["--continuous-batching", "--cb-num-blocks", "64", "--cb-block-size", "16", "--use_flash_attention"]
+    command += ["--continuous-batching", "--use_flash_attention"]
+    command += [f"--{name.replace('_', '-')}={value}" for name, value in LONG_CB_CACHE.items()]
     process = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
     try:
         wait_until_healthy(f"http://127.0.0.1:{port}", process=process)
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=120)
         answer = client.chat.completions.create(
-            model=str(checkpoint), messages=[{"role": "user", "content": "Hello"}], max_tokens=4, temperature=0
+            model=str(long_checkpoint), messages=[{"role": "user", "content": "Hello"}], max_tokens=4, temperature=0
         )
-        assert answer.choices[0].finish_reason in ("stop", "length")
+        assert answer.choices[0].finish_reason == "length" and answer.model == str(long_checkpoint)
+        connection = http.client.HTTPConnection("127.0.0.1", port, timeout=TIMEOUT_S)
+        body = {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": CB_ENDLESS, "stream": True}
+        connection.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
+        response = connection.getresponse()
+        assert response.readline().startswith(b"data: ")
     finally:
         process.terminate()
+        events = [event for event in response.read().decode().split("\n\n") if event]
         _, stderr = process.communicate(timeout=30)
+    assert events[-1] == "data: [DONE]" and '"code": "server_shutting_down"' in events[-2]
     assert "the fused kernel (use_flash_attention)" in stderr
+    assert "Traceback" not in stderr

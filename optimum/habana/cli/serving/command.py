@@ -4,6 +4,9 @@ transformers' OpenAI-compatible server (`transformers serve`) on the Gaudi class
 streaming and `--continuous-batching`, plus the attention flags, which become the defaults of every request (a
 request's own `generation_config` may set them). MODEL is a local checkpoint folder or a hub repo id; without one,
 the embedded SmolLM2-135M-Instruct is served under that name. See docs/serving.md.
+
+A bad option (the attention's, transformers serve's, or one the command line cannot parse) is one line on stderr
+and exit status 2, before the model loads; a model that does not load is one line and exit status 2 too.
 """
 
 import inspect
@@ -21,19 +24,23 @@ def flag_parameter(name: str) -> inspect.Parameter:
     return inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=False, annotation=Annotated[bool, option])
 
 
+PROG = "python -m optimum.habana.serve"
+
+
+def fail(message: str) -> None:
+    """One line on stderr, exit status 2 (a usage error)."""
+    typer.echo(f"optimum.habana.serve: {(message.strip().splitlines() or ['failed'])[0]}", err=True)
+    raise typer.Exit(2)
+
+
 def serve(**options: Any) -> None:
-    from .server import GaudiServe, check_attention_options
+    from .server import GaudiServe, ModelLoadError
 
     flags = {name: options.pop(name) for name in ATTENTION_FLAG_NAMES}
-    try:  # before the model loads
-        check_attention_options(options["attn_implementation"], flags)
-    except ValueError as error:
-        raise typer.BadParameter(str(error)) from None
-    try:
+    try:  # the options are checked first, then the model loads, then it serves
         GaudiServe(attention_flags=flags, **options)
-    except (ValueError, OSError) as error:  # the model: a family without a Gaudi class, a missing folder...
-        typer.echo(f"optimum.habana.serve: {str(error).strip().splitlines()[0]}", err=True)
-        raise typer.Exit(2) from None
+    except (ValueError, OSError, ModelLoadError) as error:  # ServeOptionError, a family without a Gaudi class, ...
+        fail(str(error))
 
 
 def command() -> typer.Typer:
@@ -53,13 +60,26 @@ def command() -> typer.Typer:
 
 
 def main(argv: list[str] | None = None) -> None:
+    """Run the command; what the command line cannot parse (`--port abc`, an unknown option) is one line too."""
     from transformers.utils.import_utils import is_serve_available
+    from typer.exceptions import TyperException
 
     if not is_serve_available():
         from .server import SERVING_INSTALL_HINT
 
         sys.exit(f"optimum.habana.serve needs transformers' serving dependencies: {SERVING_INSTALL_HINT}")
-    command()(args=sys.argv[1:] if argv is None else argv, prog_name="python -m optimum.habana.serve")
+    parser = typer.main.get_command(command())
+    try:
+        status = parser.main(args=sys.argv[1:] if argv is None else argv, prog_name=PROG, standalone_mode=False)
+    except typer.Abort:
+        sys.exit(130)
+    except TyperException as error:  # click's usage errors, as typer carries them
+        if not hasattr(error, "format_message"):
+            raise
+        typer.echo(f"optimum.habana.serve: {error.format_message()} ({PROG} --help lists the options)", err=True)
+        sys.exit(2)
+    if isinstance(status, int) and status:
+        sys.exit(status)
 
 
 if __name__ == "__main__":

@@ -11,17 +11,19 @@ configures it. Two things are ours:
 - `GaudiServe`, transformers' `Serve` with that manager. `Serve.__init__` builds its manager itself, with no
   parameter for the class, so `GaudiServe.__init__` assembles the same parts in the same order. It takes exactly
   `Serve`'s options, plus the flags: an option a later transformers adds is refused by name, never ignored.
+  Into that assembly go the request checks (`handlers`, `validation`), bounded and cancellable generation
+  (`generation`), OpenAI-shaped errors, disconnect and shutdown handling (`app`), and the start-up checks
+  (`options`), which run before the model loads.
 
 transformers is not patched: `transformers serve` in the same process still loads the stock classes.
 """
 
 import inspect
-import json
 import logging
+import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-import typer
 from transformers import AutoConfig, PreTrainedModel
 from transformers.cli.serve import ReasoningMode, Serve
 from transformers.cli.serving.model_manager import ModelManager
@@ -32,6 +34,11 @@ from optimum.habana.transformers.attention_flags import check_flag_combination
 from optimum.habana.transformers.modeling_utils import ATTENTION_IMPLEMENTATIONS
 from optimum.habana.utils.model_loading import DEFAULT_MODEL_NAME, resolve_model
 from optimum.habana.utils.pretrained import load_tokenizer
+
+from .generation import SHUTDOWN, GaudiGenerationState, InFlightRequests, context_length
+from .options import ServeOptionError, check_serve_options
+from .options import chat_template_kwargs as parse_chat_template_kwargs
+from .validation import ServedModel
 
 
 logger = logging.getLogger(__name__)
@@ -89,13 +96,28 @@ def describe_attention(model: PreTrainedModel) -> str:
     return f"{type(model).__name__} on {model.device}, {attention} ({', '.join(flags) or 'no flags set'})"
 
 
+class ModelLoadError(RuntimeError):
+    """The pinned model could not be loaded; the message says which and why, in one line."""
+
+
 class GaudiModelManager(ModelManager):
-    """transformers' model manager, loading the Gaudi class of each checkpoint with the server's flags."""
+    """transformers' model manager, loading the Gaudi class of each checkpoint with the server's flags.
+
+    It knows what it serves (`served`: the name, context length and vocabulary requests are checked against) and
+    lists that model at `/v1/models`, where transformers lists the hub cache (a 500 on a machine without one).
+    """
 
     def __init__(self, *args: Any, attention_flags: Mapping[str, bool] | None = None, **kwargs: Any) -> None:
         # Set before the base class runs: it validates, then loads the pinned model.
         self.attention_flags = {name: value for name, value in (attention_flags or {}).items() if value}
+        self.served = ServedModel(str(kwargs.get("force_model") or ""), None, None)
+        self.has_chat_template = True
+        self.loaded_at = int(time.time())
         super().__init__(*args, **kwargs)
+
+    def get_gen_models(self, cache_dir: str | None = None) -> list[dict]:
+        """`/v1/models`: the served model, in OpenAI's model object."""
+        return [{"id": self.served.name, "object": "model", "created": self.loaded_at, "owned_by": "optimum-habana"}]
 
     def _validate_args(self) -> None:
         check_attention_options(self.attn_implementation, self.attention_flags)
@@ -112,8 +134,11 @@ class GaudiModelManager(ModelManager):
 
     def _load_processor(self, model_id_and_revision: str, gguf_file: str | None = None) -> Any:
         if model_id_and_revision.split("@", 1)[0] == DEFAULT_MODEL_NAME:
-            return load_tokenizer(resolve_model(None))
-        return super()._load_processor(model_id_and_revision, gguf_file=gguf_file)
+            processor = load_tokenizer(resolve_model(None))
+        else:
+            processor = super()._load_processor(model_id_and_revision, gguf_file=gguf_file)
+        self.has_chat_template = getattr(processor, "chat_template", None) is not None
+        return processor
 
     def _load_model(
         self,
@@ -143,14 +168,21 @@ class GaudiModelManager(ModelManager):
         model = gaudi_model_class(model_type).from_pretrained(checkpoint, **kwargs)
         for name, value in self.attention_flags.items():
             setattr(model.generation_config, name, value)
+        config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        self.served = ServedModel(
+            self.force_model or model_id, context_length(model), getattr(config, "vocab_size", None)
+        )
         logger.warning("Serving %s: %s.", model_id, describe_attention(model))
         return model
 
 
 class GaudiServe(Serve):
-    """transformers' `Serve` with `GaudiModelManager`: the same options, parts and order, plus the flags.
+    """transformers' `Serve` with `GaudiModelManager`: the same options, parts and order, plus the flags, with every
+    request checked and every generation bounded and cancellable.
 
     With no model named, the embedded default model is served (transformers loads models on demand instead).
+    Raises `ServeOptionError` (a ValueError) for a bad option before anything loads, `ModelLoadError` when the
+    model does not load.
     """
 
     def __init__(self, attention_flags: Mapping[str, bool] | None = None, **options: Any) -> None:
@@ -161,22 +193,26 @@ class GaudiServe(Serve):
             )
         import uvicorn
         from transformers import ContinuousBatchingConfig
-        from transformers.cli.serving.chat_completion import ChatCompletionHandler
-        from transformers.cli.serving.completion import CompletionHandler
-        from transformers.cli.serving.response import ResponseHandler
         from transformers.cli.serving.server import build_server
         from transformers.cli.serving.systemone import SystemOneHandler
         from transformers.cli.serving.transcription import TranscriptionHandler
-        from transformers.cli.serving.utils import GenerationState, set_torch_seed
+        from transformers.cli.serving.utils import set_torch_seed
         from transformers.utils import logging as transformers_logging
+
+        from .app import SHUTDOWN_GRACE_S, GracefulServer, install
+        from .handlers import GaudiChatCompletionHandler, GaudiCompletionHandler, GaudiResponseHandler
 
         unknown = set(options) - {parameter.name for parameter in SERVE_PARAMETERS}
         if unknown:
             raise TypeError(f"GaudiServe got options that transformers serve does not have: {sorted(unknown)}")
         options = {parameter.name: parameter.default for parameter in SERVE_PARAMETERS} | options
+        check_serve_options(options)
+        check_attention_options(options["attn_implementation"], attention_flags or {})
         manager_options = {name: options.pop(name) for name in MANAGER_OPTIONS}
         cb_options = {name: options.pop(f"cb_{name}") for name in CB_OPTIONS}
         cb_options = {name: value for name, value in cb_options.items() if value is not None}
+        if "block_size" in cb_options:  # transformers' name since 5.17 (block_size is deprecated, with a warning)
+            cb_options["page_size"] = cb_options.pop("block_size")
         chat_template_kwargs = chat_template_options(options.pop("chat_template_kwargs"), options.pop("reasoning"))
         force_model, continuous_batching, compile, decision_config, host, port, enable_cors, log_level = (
             options.pop(name) for name in SERVER_OPTIONS
@@ -184,25 +220,36 @@ class GaudiServe(Serve):
         default_seed, non_blocking = options.pop("default_seed"), options.pop("non_blocking")
         if options:  # an option of a later transformers serve that this class does not pass on
             raise TypeError(f"optimum.habana.serve does not support transformers serve's {sorted(options)} yet.")
+        if manager_options["model_timeout"] != SERVE_DEFAULTS["model_timeout"]:
+            logger.warning("--model-timeout has no effect: the server is pinned to its model, which stays loaded.")
 
         if default_seed is not None:
             set_torch_seed(default_seed)
         transformers_logging.get_logger("transformers").setLevel(transformers_logging.log_levels[log_level.lower()])
-        self._model_manager = GaudiModelManager(
-            **manager_options,
-            continuous_batching=continuous_batching,
-            force_model=force_model or DEFAULT_MODEL_NAME,
-            attention_flags=attention_flags,
-        )
-        self._generation_state = GenerationState(
+        model = force_model or DEFAULT_MODEL_NAME
+        try:
+            self._model_manager = GaudiModelManager(
+                **manager_options,
+                continuous_batching=continuous_batching,
+                force_model=model,
+                attention_flags=attention_flags,
+            )
+        except ValueError:  # a family without a Gaudi class, ...: the message says it
+            raise
+        except Exception as error:  # a damaged checkpoint, a hub id that is nowhere, a device that fails...
+            logger.debug("Loading %s failed.", model, exc_info=True)
+            first_line = (str(error).strip().splitlines() or [""])[0]
+            raise ModelLoadError(f"{model} could not be loaded: {type(error).__name__}: {first_line}") from error
+        self._requests = InFlightRequests()
+        self._generation_state = GaudiGenerationState(
             continuous_batching=continuous_batching,
             compile=compile,
             cb_config=ContinuousBatchingConfig(**cb_options) if cb_options else None,
         )
         shared = {"model_manager": self._model_manager, "generation_state": self._generation_state}
-        self._chat_handler = ChatCompletionHandler(**shared, chat_template_kwargs=chat_template_kwargs)
-        self._completion_handler = CompletionHandler(**shared)
-        self._response_handler = ResponseHandler(**shared, chat_template_kwargs=chat_template_kwargs)
+        self._chat_handler = GaudiChatCompletionHandler(**shared, chat_template_kwargs=chat_template_kwargs)
+        self._completion_handler = GaudiCompletionHandler(**shared)
+        self._response_handler = GaudiResponseHandler(**shared, chat_template_kwargs=chat_template_kwargs)
         self._transcription_handler = TranscriptionHandler(self._model_manager, self._generation_state)
         self._systemone_handler = SystemOneHandler(
             **shared, chat_template_kwargs=chat_template_kwargs, decision_config=decision_config
@@ -217,20 +264,36 @@ class GaudiServe(Serve):
             generation_state=self._generation_state,
             enable_cors=enable_cors,
         )
-        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info"))
+        install(app, self._requests)
+        config = uvicorn.Config(
+            app, host=host, port=port, log_level="info", timeout_graceful_shutdown=SHUTDOWN_GRACE_S
+        )
+        self.server = GracefulServer(config, on_shutdown=lambda: self._requests.cancel_all(SHUTDOWN))
         if non_blocking:
             self.start_server()
         else:
-            self.server.run()
+            try:
+                self.server.run()
+            finally:
+                self._generation_state.shutdown()
+
+    def kill_server(self) -> None:
+        """transformers' `kill_server`, once every request in flight was cancelled (each gets its error)."""
+        self._requests.cancel_all(SHUTDOWN)
+        super().kill_server()
+
+
+SERVE_DEFAULTS = {parameter.name: parameter.default for parameter in SERVE_PARAMETERS}
 
 
 def chat_template_options(chat_template_kwargs: str | None, reasoning: str) -> dict[str, Any]:
     """`--chat-template-kwargs` and `--reasoning` as transformers serve reads them."""
-    options = json.loads(chat_template_kwargs) if chat_template_kwargs else {}
-    if not isinstance(options, dict):
-        raise typer.BadParameter("--chat-template-kwargs must be a JSON object")
+    options = parse_chat_template_kwargs(chat_template_kwargs)
     if reasoning == ReasoningMode.ON:
         options["enable_thinking"] = True
     elif reasoning == ReasoningMode.OFF:
         options["enable_thinking"] = False
     return options
+
+
+__all__ = ["GaudiModelManager", "GaudiServe", "ModelLoadError", "ServeOptionError", "check_attention_options"]

@@ -1,0 +1,121 @@
+"""No request can hold the server: a client that disconnects cancels its generation, shutting down cancels every
+request in flight (each gets its error), two requests cannot share an id, and a continuous-batching worker that
+died is replaced. The model has 200k positions and no end-of-sequence token, so that a generation that is not
+stopped would run for minutes: each check waits for its outcome with a bound well below that.
+"""
+
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+from tests.serving.servers import CB_ENDLESS, ENDLESS, LONG_CB_CACHE, TIMEOUT_S, RunningServer
+
+
+CHAT = "/v1/chat/completions"
+HELLO = [{"role": "user", "content": "Hello there"}]
+LENGTH = {"sequential": ENDLESS, "cb": CB_ENDLESS}
+
+
+def start(name: str, checkpoint) -> RunningServer:
+    return RunningServer(checkpoint, **({"continuous_batching": True, **LONG_CB_CACHE} if name == "cb" else {}))
+
+
+@pytest.fixture(scope="module")
+def servers(long_checkpoint):
+    started = {}
+    try:
+        for name in ("sequential", "cb"):
+            started[name] = start(name, long_checkpoint)
+        yield started
+    finally:
+        for running in started.values():
+            running.stop()
+
+
+def idle(server: RunningServer) -> bool:
+    """Nothing generating: no request in flight, and with continuous batching nothing left in the scheduler."""
+    manager = server.serve._generation_state._cb_manager
+    processor = getattr(getattr(manager, "_cb", None), "batch_processor", None)
+    return server.in_flight() == 0 and (processor is None or not processor.scheduler.has_pending_requests())
+
+
+def wait_idle(server: RunningServer) -> None:
+    deadline = time.monotonic() + TIMEOUT_S
+    while not idle(server):
+        assert time.monotonic() < deadline, "a cancelled generation is still running"
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+@pytest.mark.parametrize("name", ["sequential", "cb"])
+def test_a_client_that_disconnects_cancels_its_generation(name, stream, servers):
+    server = servers[name]
+    connection, response = (
+        server.open_stream(CHAT, {"messages": HELLO, "max_tokens": LENGTH[name], "stream": True})
+        if stream
+        else (server.open_request(CHAT, {"messages": HELLO, "max_tokens": LENGTH[name]}), None)
+    )
+    if response is not None:
+        assert response.readline().startswith(b"data: ")  # generating
+    server.wait_in_flight(1)
+    connection.close()
+    wait_idle(server)
+    status, answer, _ = server.post(CHAT, {"messages": HELLO, "max_tokens": 3})
+    assert status == 200 and answer["usage"]["completion_tokens"] == 3
+
+
+@pytest.mark.parametrize("name", ["sequential", "cb"])
+def test_shutting_down_cancels_the_requests_in_flight_each_with_its_error(name, long_checkpoint):
+    server = start(name, long_checkpoint)
+    outcome = {}
+
+    def whole() -> None:
+        outcome["whole"] = server.post(CHAT, {"messages": HELLO, "max_tokens": LENGTH[name]})
+
+    asking = threading.Thread(target=whole)
+    body = {"messages": HELLO, "max_tokens": LENGTH[name], "stream": True}
+    connection, response = server.open_stream(CHAT, body)
+    asking.start()
+    try:
+        server.wait_in_flight(2)
+        assert response.readline().startswith(b"data: ")
+    finally:
+        server.stop()
+    asking.join(TIMEOUT_S)
+    events = [event for event in response.read().decode().split("\n\n") if event]
+    connection.close()
+    assert events[-1] == "data: [DONE]" and '"code": "server_shutting_down"' in events[-2]
+    status, answer, _ = outcome["whole"]
+    assert status == 503 and answer["error"]["code"] == "server_shutting_down"
+
+
+def test_two_requests_in_flight_cannot_share_an_id(servers):
+    server = servers["sequential"]
+    same = {"x-request-id": "one-id"}
+    connection, response = server.open_stream(
+        CHAT, {"messages": HELLO, "max_tokens": ENDLESS, "stream": True}, headers=same
+    )
+    assert response.readline().startswith(b"data: ")
+    status, answer, _ = server.post(CHAT, {"messages": HELLO, "max_tokens": 2}, headers=same)
+    assert status == 409 and answer["error"]["param"] == "x-request-id"
+    connection.close()
+    wait_idle(server)
+    status, _, headers = server.post(CHAT, {"messages": HELLO, "max_tokens": 2}, headers=same)
+    assert status == 200 and headers["x-request-id"] == "one-id"
+
+
+def test_a_dead_continuous_batching_worker_is_replaced(servers):
+    server = servers["cb"]
+    assert server.post(CHAT, {"messages": HELLO, "max_tokens": 2})[0] == 200
+    worker = server.serve._generation_state._cb_manager._cb
+    worker.background_thread_status.fatal_error = RuntimeError("a crash of the worker")  # as its loop records one
+    with pytest.raises(urllib.error.HTTPError) as unhealthy:
+        urllib.request.urlopen(f"{server.base_url}/health", timeout=TIMEOUT_S)
+    assert unhealthy.value.code == 503
+    status, answer, _ = server.post(CHAT, {"messages": HELLO, "max_tokens": 2})
+    assert status == 200 and answer["usage"]["completion_tokens"] == 2
+    with urllib.request.urlopen(f"{server.base_url}/health", timeout=TIMEOUT_S) as health:
+        assert health.status == 200
