@@ -339,9 +339,11 @@ def matmul_softmax_attention(
     if masked is not None:
         probabilities = probabilities.masked_fill(masked, 0.0)
     probabilities = nn.functional.dropout(probabilities, p=dropout, training=dropout > 0.0)
-    output = torch.matmul(probabilities, value.unsqueeze(2))
+    # The weights returned are the tensor the output is computed from: a caller's retain_grad() on them sees grads.
+    weights = probabilities.view(batch, heads, q_len, kv_len)
+    output = torch.matmul(weights.view(batch, kv_heads, heads // kv_heads, q_len, kv_len), value.unsqueeze(2))
     output = output.view(batch, heads, q_len, -1).transpose(1, 2).contiguous()
-    return output, probabilities.view(batch, heads, q_len, kv_len)
+    return output, weights
 
 
 def fully_masked_queries(attention_mask: torch.Tensor | None) -> torch.Tensor | None:
