@@ -252,3 +252,12 @@ def test_a_responses_request_without_stream_gets_one_json_answer(servers):
     server = servers["sequential"]
     answer = server.client.responses.create(model=server.model_id, input="Hello", max_output_tokens=3)
     assert answer.status == "completed" and answer.model == server.model_id
+
+
+@pytest.mark.parametrize("name, value", [("stop", "x"), ("logit_bias", {"5": 10}), ("frequency_penalty", 0.5)])
+def test_what_continuous_batching_does_not_apply_is_refused_there_and_applied_elsewhere(name, value, servers):
+    body = {"messages": HELLO, "max_tokens": 3, name: value}
+    status, answer, _ = servers["cb"].post(CHAT, body)
+    assert_error(status, answer, 400, name, "unsupported_parameter", "continuous batching")
+    status, answer, _ = servers["sequential"].post(CHAT, body)
+    assert status == 200, answer

@@ -110,7 +110,8 @@ class GaudiModelManager(ModelManager):
     def __init__(self, *args: Any, attention_flags: Mapping[str, bool] | None = None, **kwargs: Any) -> None:
         # Set before the base class runs: it validates, then loads the pinned model.
         self.attention_flags = {name: value for name, value in (attention_flags or {}).items() if value}
-        self.served = ServedModel(str(kwargs.get("force_model") or ""), None, None)
+        self.continuous_batching = bool(kwargs.get("continuous_batching"))
+        self.served = ServedModel(str(kwargs.get("force_model") or ""), None, None, self.continuous_batching)
         self.has_chat_template = True
         self.loaded_at = int(time.time())
         super().__init__(*args, **kwargs)
@@ -170,7 +171,10 @@ class GaudiModelManager(ModelManager):
             setattr(model.generation_config, name, value)
         config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         self.served = ServedModel(
-            self.force_model or model_id, context_length(model), getattr(config, "vocab_size", None)
+            self.force_model or model_id,
+            context_length(model),
+            getattr(config, "vocab_size", None),
+            self.continuous_batching and hasattr(model, "init_continuous_batching"),
         )
         logger.warning("Serving %s: %s.", model_id, describe_attention(model))
         return model

@@ -35,11 +35,13 @@ def error_body(message: str, status: int, param: str | None = None, code: str | 
 
 @dataclass(frozen=True)
 class ServedModel:
-    """What requests are checked against: the pinned model's name, context length and vocabulary."""
+    """What requests are checked against: the pinned model's name, context length and vocabulary, and whether
+    continuous batching serves it."""
 
     name: str
     context_length: int | None
     vocab_size: int | None
+    continuous_batching: bool = False
 
 
 @dataclass(frozen=True)
@@ -92,6 +94,9 @@ UNSUPPORTED_HINTS = {
 RANGES = {"temperature": (0.0, 2.0), "top_p": (0.0, 1.0), "frequency_penalty": (-1.0, 2.0)}
 OPEN_LOWER = {"top_p", "frequency_penalty"}  # top_p 0 keeps no token; frequency_penalty -1 is a repetition penalty 0
 SEED_RANGE = (-(2**63), 2**64 - 1)  # torch.manual_seed's
+# What transformers' continuous batching does not apply per request (its engine takes only the prompt, max_new_tokens
+# and the end-of-sequence ids): refused there unless left out or neutral, instead of dropped.
+NOT_BATCHED = {"stop": (), "logit_bias": ({},), "frequency_penalty": (0,)}
 
 
 def kind_of(value: Any) -> str:
@@ -256,6 +261,7 @@ def check_penalties(body: dict[str, Any], served: ServedModel, logit_bias: bool 
             raise RequestError(
                 f"`logit_bias` values must be numbers from -100 to 100, got {value} for token {token}.", "logit_bias"
             )
+    body["logit_bias"] = {token: float(value) for token, value in bias.items()}  # transformers needs floats
 
 
 def check_tools(body: dict[str, Any], flat: bool = False) -> None:
@@ -365,6 +371,28 @@ def check_completion(body: dict[str, Any], served: ServedModel) -> TokenRequest:
     return requested_tokens(body, ("max_tokens",), "prompt")
 
 
+RESPONSE_PARTS = ("input_text", "output_text", "text")
+# The fields of the Responses API's input items that transformers reads, by item type.
+ITEM_FIELDS = {"function_call": ("call_id", "name", "arguments"), "function_call_output": ("call_id", "output")}
+
+
+def check_input_item(item: Any, where: str) -> None:
+    """One item of a Responses `input` array: a message, a function call or its output, or reasoning."""
+    kind = item.get("type") if isinstance(item, dict) else None
+    if isinstance(item, dict) and "role" in item:
+        check_message(item, where, RESPONSE_PARTS)
+    elif kind in ITEM_FIELDS:
+        for name in ITEM_FIELDS[kind]:
+            if not isinstance(item.get(name), str):
+                raise RequestError(f"`{where}.{name}` must be a string ({kind} item).", f"{where}.{name}")
+    elif kind != "reasoning":
+        raise RequestError(
+            f"`{where}` is not an input item: give a message (with `role`), a function_call, a "
+            "function_call_output or a reasoning item.",
+            where,
+        )
+
+
 def check_response(body: dict[str, Any], served: ServedModel) -> TokenRequest:
     """`/v1/responses`: `input` a string or an array of items; OpenAI's default of no streaming."""
     value = body.get("input")
@@ -375,15 +403,11 @@ def check_response(body: dict[str, Any], served: ServedModel) -> TokenRequest:
             "input",
             "missing_required_parameter" if value is None else "invalid_value",
         )  # fmt: skip
-    if isinstance(value, list):
-        flat = "role" not in value[0] if isinstance(value[0], dict) else False
-        items = [{"role": "user", "content": value}] if flat else value
-        for index, item in enumerate(items):
-            kind = item.get("type") if isinstance(item, dict) else None
-            if isinstance(item, dict) and "role" in item:
-                check_message(item, f"input[{index}]", ("input_text", "output_text", "text"))
-            elif kind not in ("function_call", "function_call_output", "reasoning"):
-                raise RequestError(f"`input[{index}]` is not an input item.", f"input[{index}]", "invalid_value")
+    if isinstance(value, list) and not (isinstance(value[0], dict) and "role" in value[0]):
+        check_content(value, "input", RESPONSE_PARTS, required=True)  # transformers' reading: one user message
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            check_input_item(item, f"input[{index}]")
     of_type(body, "instructions", str, "a string")
     text_format = body.get("text", {}).get("format") if isinstance(body.get("text"), dict) else None
     if body.get("text") is not None and (text_format or {"type": "text"}).get("type") != "text":
@@ -416,4 +440,15 @@ def check_request(endpoint: str, body: dict[str, Any], served: ServedModel) -> T
     if not isinstance(body, dict):
         raise RequestError("The request body must be a JSON object of the endpoint's fields.", None, "invalid_type")
     check_model(body, served)
-    return CHECKS[endpoint](body, served)
+    request = CHECKS[endpoint](body, served)
+    if served.continuous_batching:
+        for name, neutral in NOT_BATCHED.items():
+            value = body.get(name)
+            if value is not None and not any(same(value, choice) for choice in neutral):
+                raise RequestError(
+                    f"`{name}` is not applied by continuous batching, which this server runs: leave it out, or serve "
+                    "without --continuous-batching.",
+                    name,
+                    "unsupported_parameter",
+                )
+    return request
