@@ -261,3 +261,15 @@ def test_what_continuous_batching_does_not_apply_is_refused_there_and_applied_el
     assert_error(status, answer, 400, name, "unsupported_parameter", "continuous batching")
     status, answer, _ = servers["sequential"].post(CHAT, body)
     assert status == 200, answer
+
+
+def test_a_model_without_a_chat_template_takes_completions_and_refuses_messages_in_words(tmp_path):
+    server = RunningServer(save_tiny_checkpoint(tmp_path, chat_template=False))
+    try:
+        for path, body in ((CHAT, {"messages": HELLO}), (RESPONSES, {"input": "Hello"})):
+            status, answer, _ = server.post(path, body)
+            assert_error(status, answer, 400, None, "unsupported_endpoint", "no chat template", "/v1/completions")
+        status, answer, _ = server.post(COMPLETIONS, {"prompt": "Hello", "max_tokens": 2})
+        assert status == 200 and answer["usage"]["completion_tokens"] == 2
+    finally:
+        server.stop()

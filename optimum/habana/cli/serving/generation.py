@@ -228,13 +228,23 @@ async def until_cancelled(generation: Awaitable, cancel: Callable[[], None] | No
 class GaudiGenerateManager(GenerateManager):
     """transformers' sequential manager (generate() on one thread), bounded and cancellable."""
 
-    def generate_streaming(self, model, processor, inputs, gen_config, request_id, response_parser=None):  # noqa: D102
+    def generate_streaming(
+        self,
+        model: PreTrainedModel,
+        processor: Any,
+        inputs: Any,
+        gen_config: GenerationConfig,
+        request_id: str,
+        response_parser: Any = None,
+    ) -> tuple[asyncio.Queue, Any]:
         bound_generation(model, inputs, gen_config)
         queue, streamer = super().generate_streaming(model, processor, inputs, gen_config, request_id, response_parser)
         watch_stream(queue, streamer)
         return queue, streamer
 
-    async def generate_non_streaming(self, model, processor, inputs, gen_config, request_id):  # noqa: D102
+    async def generate_non_streaming(
+        self, model: PreTrainedModel, processor: Any, inputs: Any, gen_config: GenerationConfig, request_id: str
+    ) -> tuple[str, int, Any]:
         bound_generation(model, inputs, gen_config)
         if (flight := CURRENT_FLIGHT.get()) is not None:
             inputs = {**inputs, "stopping_criteria": StoppingCriteriaList([StopWhenCancelled(flight)])}
@@ -255,13 +265,23 @@ class GaudiCBGenerateManager(CBGenerateManager):
         page = getattr(config, "page_size", None)
         return (blocks, page) if blocks and page else None
 
-    def generate_streaming(self, model, processor, inputs, gen_config, request_id, response_parser=None):  # noqa: D102
+    def generate_streaming(
+        self,
+        model: PreTrainedModel,
+        processor: Any,
+        inputs: Any,
+        gen_config: GenerationConfig,
+        request_id: str,
+        response_parser: Any = None,
+    ) -> tuple[asyncio.Queue, Any]:
         bound_generation(model, inputs, gen_config, self.cache())
         queue, streamer = super().generate_streaming(model, processor, inputs, gen_config, request_id, response_parser)
         watch_stream(queue, streamer)
         return queue, streamer
 
-    async def generate_non_streaming(self, model, processor, inputs, gen_config, request_id):  # noqa: D102
+    async def generate_non_streaming(
+        self, model: PreTrainedModel, processor: Any, inputs: Any, gen_config: GenerationConfig, request_id: str
+    ) -> tuple[str, int, Any]:
         bound_generation(model, inputs, gen_config, self.cache())
         generation = super().generate_non_streaming(model, processor, inputs, gen_config, request_id)
         return await until_cancelled(generation, cancel=lambda: self._cb.cancel_request(request_id))

@@ -55,11 +55,6 @@ class TokenRequest:
 
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
-# Accepted and ignored: they label a request, they do not change its answer.
-IGNORED = {
-    "user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key", "prompt_cache_retention",
-    "prompt_cache_options", "parallel_tool_calls", "stream_options", "moderation", "verbosity", "include",
-}  # fmt: skip
 # Fields that change the answer and are not implemented: refused unless left out or set to one of these.
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "n": (1,),
@@ -90,7 +85,7 @@ UNSUPPORTED_HINTS = {
     "conversation": "this server stores no conversations: send the whole conversation in `input`",
     "tool_choice": 'the model chooses by itself ("auto"), or "none" to offer it no tools',
 }
-# Where continuous batching and generate() diverge from OpenAI's ranges, the narrower one is given.
+# OpenAI's ranges, narrowed where transformers needs it.
 RANGES = {"temperature": (0.0, 2.0), "top_p": (0.0, 1.0), "frequency_penalty": (-1.0, 2.0)}
 OPEN_LOWER = {"top_p", "frequency_penalty"}  # top_p 0 keeps no token; frequency_penalty -1 is a repetition penalty 0
 SEED_RANGE = (-(2**63), 2**64 - 1)  # torch.manual_seed's
