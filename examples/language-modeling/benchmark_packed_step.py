@@ -75,7 +75,7 @@ def measure(arguments: argparse.Namespace) -> dict[str, float]:
     model.zero_grad(set_to_none=True)
     start = time.perf_counter()
     model(**batch).loss.backward()
-    return {"step_seconds": time.perf_counter() - start, "extra_memory_gb": extra / 1e9}
+    return {"step_seconds": time.perf_counter() - start, "extra_memory_gib": extra / 1024**3}
 
 
 def run_path(path: str, argv: list[str], timeout: float) -> dict[str, float | str]:
@@ -110,12 +110,12 @@ def main(argv: list[str] | None = None) -> int:
             rows.append([path, result["status"], result["status"], "-", "-"])
             continue
         time_ratio = result["step_seconds"] / floor["step_seconds"] if floor.get("status") == "ok" else None
-        memory_ratio = result["extra_memory_gb"] / floor["extra_memory_gb"] if floor.get("status") == "ok" else None
+        memory_ratio = result["extra_memory_gib"] / floor["extra_memory_gib"] if floor.get("status") == "ok" else None
         rows.append(
             [
                 path,
                 f"{result['step_seconds']:.2f}",
-                f"{result['extra_memory_gb']:.2f}",
+                f"{result['extra_memory_gib']:.2f}",
                 "-" if time_ratio is None else f"{time_ratio:.2f}",
                 "-" if memory_ratio is None else f"{memory_ratio:.2f}",
             ]
@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{arguments.preset}, {arguments.layers} layers, {arguments.examples} examples x {arguments.example_tokens} "
         f"tokens packed into one row of {tokens}, gradient checkpointing, fp32, torch threads {torch.get_num_threads() if not arguments.threads else arguments.threads}"
     )
-    headers = ["Path", "Step [s]", "Extra memory [GB]", "Step / floor", "Extra memory / floor"]
+    headers = ["Path", "Step [s]", "Extra memory [GiB]", "Step / floor", "Extra memory / floor"]
     print(tabulate(rows, headers=headers, tablefmt="github", disable_numparse=True))
     failed = [path for path, result in results.items() if result["status"] == "error"]
     for path in failed:

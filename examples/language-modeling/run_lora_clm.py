@@ -277,7 +277,7 @@ def run(
                 "--lora_alpha and the training data, or train in float32 (no --bf16/--fp16).",
             )
         devices.synchronize(device)
-        train_metrics = {**train_result.metrics, "train_peak_memory_gb": peak_memory_gb(device)}
+        train_metrics = {**train_result.metrics, "train_peak_memory_gib": peak_memory_gib(device)}
         if args.gaudi.throughput_warmup_steps or args.gaudi.adjust_throughput:
             warmup_steps = args.gaudi.throughput_warmup_steps
             samples_per_step = training_args.train_batch_size * training_args.gradient_accumulation_steps
@@ -307,7 +307,7 @@ def run(
         devices.reset_peak_memory(device)
         eval_metrics = trainer.evaluate()
         eval_metrics["perplexity"] = modeling.perplexity(eval_metrics["eval_loss"])
-        eval_metrics["eval_peak_memory_gb"] = peak_memory_gb(device)
+        eval_metrics["eval_peak_memory_gib"] = peak_memory_gib(device)
         eval_metrics["eval_samples"] = datasets["validation"].num_rows
         trainer.log_metrics("eval", eval_metrics)
         metrics.update(eval_metrics)
@@ -398,9 +398,9 @@ def generate_samples(
     ]
 
 
-def peak_memory_gb(device: torch.device) -> float:
+def peak_memory_gib(device: torch.device) -> float:
     """Peak since the last reset: device memory on HPU/CUDA, the process's peak resident set on CPU."""
-    return round(devices.memory_stats(device)["max_allocated"] / 1e9, 3)
+    return round(devices.memory_stats(device)["max_allocated"] / 1024**3, 3)
 
 
 def summary(
@@ -414,7 +414,7 @@ def summary(
         parts += [
             f"train loss {metrics['train_loss']:.4f}",
             f"{metrics['train_samples_per_second']:.2f} samples/s",
-            f"train peak memory {metrics['train_peak_memory_gb']:.2f} GB",
+            f"train peak memory {metrics['train_peak_memory_gib']:.2f} GiB",
         ]
     if "eval_loss" in metrics:
         parts += [f"eval loss {metrics['eval_loss']:.4f}", f"perplexity {metrics['perplexity']:.2f}"]

@@ -30,12 +30,12 @@ COLUMNS = [
     "Default throughput [tokens/s]",
     "Flash throughput [tokens/s]",
     "Throughput improvement",
-    "Default memory [GB]",
-    "Flash memory [GB]",
-    "Memory reduction [GB]",
+    "Default memory [GiB]",
+    "Flash memory [GiB]",
+    "Memory reduction [GiB]",
     "Default prefill [s]",
     "Flash prefill [s]",
-    "Floor extra memory [GB]",
+    "Floor extra memory [GiB]",
     "Default / floor extra",
     "Flash / floor extra",
     "Noise [%]",
@@ -100,7 +100,7 @@ def test_table_json_ratios_and_oom(script, checkpoint, tmp_path, capsys):
     assert long["paths"]["flash"]["status"] == "ok"
     assert long["throughput_improvement"] is None and long["memory_reduction_bytes"] is None
     long_row = results["table"][1]
-    assert long_row["Default throughput [tokens/s]"] == long_row["Default memory [GB]"] == "OOM"
+    assert long_row["Default throughput [tokens/s]"] == long_row["Default memory [GiB]"] == "OOM"
     assert long_row["Throughput improvement"] == "-"
     assert f"| {long_row['Flash throughput [tokens/s]']}" in output
 
@@ -126,7 +126,7 @@ def test_timeout_is_reported_and_the_grid_goes_on(script, checkpoint, tmp_path, 
     for row in results["rows"]:
         assert {result["status"] for result in row["paths"].values()} == {"timeout"}
     for row in results["table"]:
-        assert row["Default throughput [tokens/s]"] == row["Flash memory [GB]"] == "timeout"
+        assert row["Default throughput [tokens/s]"] == row["Flash memory [GiB]"] == "timeout"
 
 
 def test_existing_results_are_never_overwritten_silently(script, checkpoint, tmp_path, capsys):

@@ -127,7 +127,7 @@ def test_a_few_dozen_steps_lower_the_eval_loss(trained):
     assert after < before - 0.1, (before, after)
     assert run.counts["default"] == 0 and run.counts["fused"] > 0
     saved = json.loads((output_dir / "all_results.json").read_text())
-    for name in ("train_loss", "eval_loss", "perplexity", "train_samples_per_second", "train_peak_memory_gb"):
+    for name in ("train_loss", "eval_loss", "perplexity", "train_samples_per_second", "train_peak_memory_gib"):
         assert saved[name] > 0, name
     assert (output_dir / "adapter_model.safetensors").is_file()
     assert (output_dir / "adapter_config.json").is_file()

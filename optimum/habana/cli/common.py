@@ -172,7 +172,7 @@ def hardware() -> dict[str, Any]:
         "cpu": cpu,
         "cores": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
-        "memory_gb": None if memory is None else round(memory / GB, 1),
+        "memory_gib": None if memory is None else round(memory / GB, 1),
         "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
     }
 

@@ -13,7 +13,8 @@ from optimum.habana.utils.devices import memory_stats, total_memory
 from .data import IGNORE_INDEX
 
 
-GB = 1e9
+# Optimum-Habana's "(GB)" entries hold GiB (its to_gb_rounded divides by 1024³), as every script here reports memory.
+GB = 1024**3
 
 
 class NonFiniteLossError(RuntimeError):
@@ -46,7 +47,8 @@ class FiniteLossTrainer(Trainer):
 
 
 def memory_log_entries(device: torch.device) -> dict[str, float]:
-    """Optimum-Habana's memory entries, in GB (on CPU: the resident set, its peak and the machine's memory)."""
+    """Optimum-Habana's memory entries, under its names, in GiB (on CPU: the resident set, its peak and the
+    machine's memory)."""
     stats, total = memory_stats(device), total_memory(device)
     entries = {
         "memory_allocated (GB)": round(stats["allocated"] / GB, 2),

@@ -228,4 +228,4 @@ def finish(run: ParallelRun) -> None:
 
 
 def _gb(count: int) -> str:
-    return f"{count / GB:.3f} GB" if count >= GB / 100 else f"{count / 1024**2:.2f} MB"
+    return f"{count / GB:.3f} GiB" if count >= GB / 100 else f"{count / 1024**2:.2f} MiB"

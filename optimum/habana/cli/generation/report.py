@@ -138,7 +138,8 @@ def format_stats(stats: dict[str, Any], device: torch.device) -> str:
 
 
 def format_bytes(count: int) -> str:
-    return f"{count / GB:.2f} GB" if count >= GB / 10 else f"{count / 1024**2:.1f} MB"
+    """Binary units, as every script here reports memory (GiB = 1024³ bytes)."""
+    return f"{count / GB:.2f} GiB" if count >= GB / 10 else f"{count / 1024**2:.1f} MiB"
 
 
 def write_results(output_dir: str | Path, results: dict[str, Any]) -> Path:

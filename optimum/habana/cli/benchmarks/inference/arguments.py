@@ -80,7 +80,7 @@ class BenchmarkArguments:
     memory_limit_gb: float | None = field(
         default=None,
         metadata={
-            "help": "CPU: how much a measuring process may allocate before its allocations fail (OOM in the "
+            "help": "CPU: how many GiB a measuring process may allocate before its allocations fail (OOM in the "
             "table). Default: 80%% of the memory available at start. 0: no cap."
         },
     )

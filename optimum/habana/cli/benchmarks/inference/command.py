@@ -168,7 +168,7 @@ def run(arguments: BenchmarkArguments, parser: HfArgumentParser) -> int:
         f"Device: {device.type}, dtype: {str(dtype).removeprefix('torch.')}; {arguments.warmup} warm-up + "
         f"{arguments.n_iterations} measured generate() per path, median; each path of a row in a fresh process"
         + (f"; {arguments.threads} torch thread(s) each" if arguments.threads else "")
-        + (f"; CPU allocation cap {budget / GB:.1f} GB per process" if budget else ""),
+        + (f"; CPU allocation cap {budget / GB:.1f} GiB per process" if budget else ""),
         flush=True,
     )
     total = sum(len(paths_for(arguments, index)) for index in range(len(rows))) + arguments.attention_kernel_report

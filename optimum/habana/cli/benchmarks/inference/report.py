@@ -31,14 +31,14 @@ def table_rows(records: Sequence[dict[str, Any]], arguments: BenchmarkArguments)
             "Default throughput [tokens/s]": cell(paths, "default", "throughput_tokens_per_second"),
             "Flash throughput [tokens/s]": cell(paths, "flash", "throughput_tokens_per_second"),
             "Throughput improvement": number(record["throughput_improvement"]),
-            "Default memory [GB]": cell(paths, "default", "peak_memory_bytes", GB),
-            "Flash memory [GB]": cell(paths, "flash", "peak_memory_bytes", GB),
-            "Memory reduction [GB]": number(record["memory_reduction_bytes"], scale=GB),
+            "Default memory [GiB]": cell(paths, "default", "peak_memory_bytes", GB),
+            "Flash memory [GiB]": cell(paths, "flash", "peak_memory_bytes", GB),
+            "Memory reduction [GiB]": number(record["memory_reduction_bytes"], scale=GB),
             "Default prefill [s]": cell(paths, "default", "prefill_seconds", digits=3),
             "Flash prefill [s]": cell(paths, "flash", "prefill_seconds", digits=3),
         }
         if arguments.floor:
-            row["Floor extra memory [GB]"] = cell(paths, "floor", "extra_memory_bytes", GB, digits=3)
+            row["Floor extra memory [GiB]"] = cell(paths, "floor", "extra_memory_bytes", GB, digits=3)
             row["Default / floor extra"] = number(record["default_extra_vs_floor"])
             row["Flash / floor extra"] = number(record["flash_extra_vs_floor"])
         if arguments.compare_transformers:
@@ -99,7 +99,7 @@ def plot_png(records: Sequence[dict[str, Any]]) -> bytes:
                 throughputs = [result["throughput_tokens_per_second"] for _, result in points]
                 speed_axis.plot(tokens, throughputs, style, **line)
     memory_axis.legend(fontsize=7)
-    titles = ((memory_axis, "Peak memory [GB]"), (speed_axis, "Throughput [tokens/s]"))
+    titles = ((memory_axis, "Peak memory [GiB]"), (speed_axis, "Throughput [tokens/s]"))
     return png_bytes(figure, titles, "Input tokens")
 
 
