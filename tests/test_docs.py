@@ -201,7 +201,8 @@ def test_the_docs_commands_and_snippets_run_as_written(block, tiny, tmp_path, mo
         if "STDIN" in arguments:
             stdin = arguments.pop(arguments.index("STDIN") + 1)
             arguments.remove("STDIN")
-        run_python_call(arguments, tiny, scripts, stdin)
+        printed = run_python_call(arguments, tiny, scripts, stdin)
+        assert printed.strip(), f"{arguments[0]} printed nothing"
 
 
 def test_every_tested_doc_says_its_commands_are_tested_shrunk():

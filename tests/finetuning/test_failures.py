@@ -620,3 +620,25 @@ def test_ctrl_c_during_the_model_conversion_exits_130_and_leaves_no_staging(tmp_
     )
     assert list((cache / "gguf").iterdir()) == []
     assert list((tmp_path / "out").iterdir()) == []
+
+
+def test_more_epochs_continue_the_run_fewer_are_another_run(tmp_path):
+    from optimum.habana.cli.finetuning import run_record
+
+    checkpoint = tmp_path / "checkpoint-9"
+    checkpoint.mkdir()
+    recorded = {"num_train_epochs": 1.0, "max_steps": -1, "lr_scheduler_type": "cosine", "seed": 0}
+    state = {"stateful_callbacks": {"RunArguments": {"args": recorded, "attributes": {}}}}
+    (checkpoint / "trainer_state.json").write_text(json.dumps(state))
+    longer = {**recorded, "num_train_epochs": 3.0}
+    assert run_record.resume_problem(checkpoint, longer) is None
+    assert run_record.resume_notes(checkpoint, longer) == [
+        "--resume_from_checkpoint: training longer than checkpoint-9's run (--num_train_epochs 1.0 there, 3.0 here): "
+        "the learning-rate schedule (cosine) now ends at epoch 3.0 instead of 1.0."
+    ]
+    assert "--num_train_epochs 1.0 there, 0.5 here" in run_record.resume_problem(
+        checkpoint, {**recorded, "num_train_epochs": 0.5}
+    )
+    # From epochs to steps is another run, not a longer one.
+    assert "--max_steps -1 there, 50 here" in run_record.resume_problem(checkpoint, {**recorded, "max_steps": 50})
+    assert run_record.resume_notes(checkpoint, recorded) == []
