@@ -265,3 +265,16 @@ def test_ctrl_c_is_one_line_and_every_file_written_so_far_is_marked_incomplete(t
         assert {line["complete"] for line in csv.DictReader(file)} == {"no"}
     assert (tmp_path / "results.md").read_text().startswith("**INCOMPLETE**: the run stopped before its end")
     assert not (tmp_path / "training.png").exists()
+
+
+def test_a_grid_without_the_floor_s_memory_still_writes_its_files_and_plot(tmp_path, monkeypatch, capsys):
+    """The floor timed out, so no path has an extra-memory ratio: the plot's empty panel must not fail the last
+    write (it did: matplotlib's "cannot be log-scaled" traceback after every measurement was made)."""
+    script = load_script()
+    flash = {"status": "ok", "step_seconds": 3.0, "tokens_per_second": 5.0, "peak_memory_bytes": 2 << 30}
+    outcomes = {"floor": {"status": "timeout", "error": "still running"}, "flash": flash | {"extra_memory_bytes": 1}}
+    monkeypatch.setattr(script, "run_worker", lambda task, timeout: outcomes[task["path"]])
+    argv = ["--tokens", "16", "--modes", "lora", "--paths", "floor", "flash", "--output_dir", str(tmp_path)]
+    assert script.main(argv) == 0
+    assert json.loads((tmp_path / "results.json").read_text())["complete"] is True
+    assert (tmp_path / "training.png").read_bytes().startswith(b"\x89PNG")

@@ -71,7 +71,8 @@ def png_bytes(figure: Any, titled_axes: Sequence[tuple[Any, str]], xlabel: str) 
     import matplotlib.pyplot as plt
 
     for axis, title in titled_axes:
-        axis.set_xscale("log", base=2)
+        if axis.lines:  # a log scale needs a point: an empty panel stays linear
+            axis.set_xscale("log", base=2)
         axis.set_xlabel(xlabel)
         axis.set_title(title)
         axis.grid(True, alpha=0.3)

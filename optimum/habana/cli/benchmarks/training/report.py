@@ -152,16 +152,17 @@ def plot_png(records: Sequence[dict[str, Any]], paths: Sequence[str]) -> bytes:
             if not points:
                 continue
             label = f"{group}: {path}"
-            if path != "floor":
-                memory_axis.plot(
-                    [t for t, _ in points], [r["extra_vs_floor"][path] for _, r in points], "-o", label=label
-                )
+            ratios = [(t, r["extra_vs_floor"][path]) for t, r in points if r["extra_vs_floor"][path] is not None]
+            if path != "floor" and ratios:  # no ratio where the floor's extra memory is unknown or 0
+                memory_axis.plot([t for t, _ in ratios], [ratio for _, ratio in ratios], "-o", label=label)
             time_axis.plot(
                 [t for t, _ in points], [r["paths"][path]["step_seconds"] for _, r in points], "-o", label=label
             )
-    memory_axis.axhline(EXTRA_TARGET, color="gray", linestyle=":", label=f"target {EXTRA_TARGET}×")
-    time_axis.set_yscale("log")
-    time_axis.legend(fontsize=6)
+    if memory_axis.lines:  # a panel without a point (every run OOM, say) stays empty instead of failing the plot
+        memory_axis.axhline(EXTRA_TARGET, color="gray", linestyle=":", label=f"target {EXTRA_TARGET}×")
+    if time_axis.lines:
+        time_axis.set_yscale("log")
+        time_axis.legend(fontsize=6)
     return png_bytes(
         figure, ((memory_axis, "Extra memory / floor's"), (time_axis, "Step time [s]")), "Tokens per sequence"
     )
