@@ -24,6 +24,7 @@ from tabulate import tabulate
 from transformers import DataCollatorWithFlattening
 
 from optimum.habana.cli.benchmarks.models import PRESETS, ModelSpec, build_model
+from optimum.habana.cli.benchmarks.workers import ratio
 from optimum.habana.cli.common import exit_on_interrupt_or_oom
 
 
@@ -109,8 +110,9 @@ def main(argv: list[str] | None = None) -> int:
         if result["status"] != "ok":
             rows.append([path, result["status"], result["status"], "-", "-"])
             continue
-        time_ratio = result["step_seconds"] / floor["step_seconds"] if floor.get("status") == "ok" else None
-        memory_ratio = result["extra_memory_gib"] / floor["extra_memory_gib"] if floor.get("status") == "ok" else None
+        # ratio() is None where the floor has no measurement, or measured 0 (its step raised no resident peak).
+        time_ratio = ratio(result["step_seconds"], floor.get("step_seconds"))
+        memory_ratio = ratio(result["extra_memory_gib"], floor.get("extra_memory_gib"))
         rows.append(
             [
                 path,
