@@ -1,10 +1,23 @@
-"""One torch thread per pytest-xdist worker: workers that each use every core slow each other down many times."""
+"""One torch thread per pytest-xdist worker: workers that each use every core slow each other down many times.
+
+`one_torch_thread` makes it one for a module's tests also without xdist: the example scripts' runs there start
+processes of their own, which must not compete with two threads of this one on a 2-core machine.
+"""
 
 import os
 
+import pytest
 import torch
 
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -35,12 +35,7 @@ SCRIPT = ROOT / "examples" / "text-generation" / "run_lm_eval.py"
 SHIPPED = ["--tasks", "essay_perplexity", "flash_mc", "-L", "2", "--batch_size", "4"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -4,18 +4,14 @@ cache folder of the module's own (never the user's cache, never the hub)."""
 from pathlib import Path
 
 import pytest
-import torch
 
 from optimum.habana.utils.model_loading import CACHE_ENV_VAR
 from tests.helpers import embedded_model, load_script, save_tiny_checkpoint
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+def _one_torch_thread(one_torch_thread):
+    """Every run_generation.py test, on one torch thread (tests/conftest.py)."""
 
 
 @pytest.fixture(scope="module")

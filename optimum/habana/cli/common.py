@@ -7,6 +7,7 @@ files); the exit status is 130 for Ctrl-C, as shells use for SIGINT, and 1 for o
 """
 
 import contextlib
+import json
 import logging
 import math
 import os
@@ -78,6 +79,17 @@ def check_seed(value: int | None, flag: str = "--seed") -> None:
     """Refuse a seed outside [0, 2**32), which numpy rejects with a traceback only once training starts."""
     if value is not None and value not in SEED_RANGE:
         raise ValueError(f"{flag} must be in [0, {SEED_RANGE.stop - 1}], got {value}.")
+
+
+def json_object(text: str, flag: str) -> dict[str, Any]:
+    """A command-line value that must be a JSON object; a ValueError names the flag and shows one."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{flag} is not JSON ({error.msg}): give an object, e.g. '{{\"key\": 1}}'.") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{flag} must be a JSON object, got a JSON {type(value).__name__}.")
+    return value
 
 
 def _argument_values(argument: object) -> list[tuple[str, object]]:

@@ -7,7 +7,6 @@ request (the server starts and answers `/health`), a missing model folder as "Re
 """
 
 import errno
-import json
 import re
 import socket
 from collections.abc import Mapping
@@ -17,6 +16,7 @@ from typing import Any
 import torch
 
 from optimum.habana import hpu
+from optimum.habana.cli.common import json_object
 from optimum.habana.utils.model_loading import ModelResolutionError, resolve_model
 
 
@@ -138,12 +138,9 @@ def chat_template_kwargs(text: str | None) -> dict[str, Any]:
     if not text:
         return {}
     try:
-        value = json.loads(text)
-    except json.JSONDecodeError as error:
-        raise ServeOptionError(f"--chat-template-kwargs is not JSON ({error}): give an object, e.g. '{{}}'.") from None
-    if not isinstance(value, dict):
-        raise ServeOptionError(f"--chat-template-kwargs must be a JSON object, got {text!r}.")
-    return value
+        return json_object(text, "--chat-template-kwargs")
+    except ValueError as error:
+        raise ServeOptionError(str(error)) from None
 
 
 def check_address(host: str, port: int) -> None:

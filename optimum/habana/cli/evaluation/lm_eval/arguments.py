@@ -7,7 +7,6 @@ line saying so. Every check here runs before the model loads, and a bad value ex
 
 import argparse
 import dataclasses
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,7 +15,7 @@ from typing import Any
 import torch
 from transformers import HfArgumentParser
 
-from optimum.habana.cli.common import AttentionArguments, check_finite_numbers, writable_folder
+from optimum.habana.cli.common import AttentionArguments, check_finite_numbers, json_object, writable_folder
 from optimum.habana.cli.generation.arguments import (
     SAMPLING_ARGUMENTS,
     ExecutionArguments,
@@ -207,15 +206,7 @@ def parse_gen_kwargs(text: str | None) -> dict[str, str]:
 
 
 def parse_metadata(text: str | None) -> dict[str, Any]:
-    if text is None:
-        return {}
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as error:
-        raise ValueError(f"--metadata must be a JSON object, e.g. '{{\"key\": 1}}' ({error.msg}).") from None
-    if not isinstance(value, dict):
-        raise ValueError(f"--metadata must be a JSON object, got a JSON {type(value).__name__}.")
-    return value
+    return {} if text is None else json_object(text, "--metadata")
 
 
 def check_output_file(output_file: str, overwrite: bool) -> Path:
