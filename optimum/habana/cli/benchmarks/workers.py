@@ -78,7 +78,10 @@ def _status_kib(field: str) -> int:
 
 def report_measurement(measure: Callable[[dict[str, Any]], dict[str, Any]], task: dict[str, Any]) -> int:
     """Print `measure(task)` on the marker line the parent reads; an OOM is a measurement (its cell says so, the
-    grid goes on), anything else is a broken run, raised with its traceback."""
+    grid goes on), anything else is a broken run, raised with its traceback. The task's `threads`, when given, is
+    this process's torch thread count."""
+    if task.get("threads"):
+        torch.set_num_threads(task["threads"])
     try:
         result = measure(task)
     except Exception as error:

@@ -225,45 +225,12 @@ async def until_cancelled(generation: Awaitable, cancel: Callable[[], None] | No
     raise cancellation_error(flight.reason)
 
 
-class GaudiGenerateManager(GenerateManager):
-    """transformers' sequential manager (generate() on one thread), bounded and cancellable."""
-
-    def generate_streaming(
-        self,
-        model: PreTrainedModel,
-        processor: Any,
-        inputs: Any,
-        gen_config: GenerationConfig,
-        request_id: str,
-        response_parser: Any = None,
-    ) -> tuple[asyncio.Queue, Any]:
-        bound_generation(model, inputs, gen_config)
-        queue, streamer = super().generate_streaming(model, processor, inputs, gen_config, request_id, response_parser)
-        watch_stream(queue, streamer)
-        return queue, streamer
-
-    async def generate_non_streaming(
-        self, model: PreTrainedModel, processor: Any, inputs: Any, gen_config: GenerationConfig, request_id: str
-    ) -> tuple[str, int, Any]:
-        bound_generation(model, inputs, gen_config)
-        if (flight := CURRENT_FLIGHT.get()) is not None:
-            inputs = {**inputs, "stopping_criteria": StoppingCriteriaList([StopWhenCancelled(flight)])}
-        generation = super().generate_non_streaming(model, processor, inputs, gen_config, request_id)
-        return await until_cancelled(generation)
-
-
-class GaudiCBGenerateManager(CBGenerateManager):
-    """transformers' continuous-batching manager, which refuses what its cache cannot hold, and cancels."""
+class BoundedStreaming:
+    """Mixed in before a transformers manager: a stream is bounded by the context (and the paged cache, where the
+    manager has one) and watched for the client going away."""
 
     def cache(self) -> tuple[int, int] | None:
-        """(blocks, tokens per block) of the paged cache: the built one's, else the configured, else unknown."""
-        if self._cb is None:
-            return None
-        config = getattr(self._cb, "continuous_batching_config", None)
-        built = getattr(getattr(getattr(self._cb, "batch_processor", None), "cache", None), "num_blocks", None)
-        blocks = built or getattr(config, "num_blocks", None)
-        page = getattr(config, "page_size", None)
-        return (blocks, page) if blocks and page else None
+        return None
 
     def generate_streaming(
         self,
@@ -278,6 +245,33 @@ class GaudiCBGenerateManager(CBGenerateManager):
         queue, streamer = super().generate_streaming(model, processor, inputs, gen_config, request_id, response_parser)
         watch_stream(queue, streamer)
         return queue, streamer
+
+
+class GaudiGenerateManager(BoundedStreaming, GenerateManager):
+    """transformers' sequential manager (generate() on one thread), bounded and cancellable."""
+
+    async def generate_non_streaming(
+        self, model: PreTrainedModel, processor: Any, inputs: Any, gen_config: GenerationConfig, request_id: str
+    ) -> tuple[str, int, Any]:
+        bound_generation(model, inputs, gen_config)
+        if (flight := CURRENT_FLIGHT.get()) is not None:
+            inputs = {**inputs, "stopping_criteria": StoppingCriteriaList([StopWhenCancelled(flight)])}
+        generation = super().generate_non_streaming(model, processor, inputs, gen_config, request_id)
+        return await until_cancelled(generation)
+
+
+class GaudiCBGenerateManager(BoundedStreaming, CBGenerateManager):
+    """transformers' continuous-batching manager, which refuses what its cache cannot hold, and cancels."""
+
+    def cache(self) -> tuple[int, int] | None:
+        """(blocks, tokens per block) of the paged cache: the built one's, else the configured, else unknown."""
+        if self._cb is None:
+            return None
+        config = getattr(self._cb, "continuous_batching_config", None)
+        built = getattr(getattr(getattr(self._cb, "batch_processor", None), "cache", None), "num_blocks", None)
+        blocks = built or getattr(config, "num_blocks", None)
+        page = getattr(config, "page_size", None)
+        return (blocks, page) if blocks and page else None
 
     async def generate_non_streaming(
         self, model: PreTrainedModel, processor: Any, inputs: Any, gen_config: GenerationConfig, request_id: str

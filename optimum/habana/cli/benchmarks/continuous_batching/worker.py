@@ -136,10 +136,7 @@ def measure(task: dict[str, Any]) -> dict[str, Any]:
 
 
 def main(argv: list[str]) -> int:
-    task = json.loads(argv[0])
-    if task.get("threads"):
-        torch.set_num_threads(task["threads"])
-    return report_measurement(measure, task)
+    return report_measurement(measure, json.loads(argv[0]))
 
 
 if __name__ == "__main__":

@@ -138,7 +138,6 @@ def measure_attention_kernel(task: dict[str, Any]) -> dict[str, Any]:
 
 def main(argv: list[str]) -> int:
     task = json.loads(argv[0])
-    torch.set_num_threads(task.get("threads") or torch.get_num_threads())
     measure = measure_attention_kernel if task["kind"] == "kernel" else measure_generation
     return report_measurement(measure, task)
 
