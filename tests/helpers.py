@@ -21,7 +21,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, PreTrainedConfig, PreTrainedTokenizerFast
 
 from optimum.habana import gaudi_model_class, supported_model_types
-from optimum.habana.transformers import attention, segmented_attention
+from optimum.habana.kernels import variable_length
+from optimum.habana.transformers import attention
 from optimum.habana.utils.model_loading import CACHE_ENV_VAR, ResolvedModel, resolve_model
 
 
@@ -84,6 +85,16 @@ class _KernelCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+# The modules that call the fused kernel dispatch: a plain call, a padded prompt or several sequences in a row.
+KERNEL_CALLERS = (attention, variable_length)
+
+
+def spy_on_fused_kernel(monkeypatch: pytest.MonkeyPatch, wrap: Callable[[Callable], Callable]) -> None:
+    """Replace the fused kernel dispatch (`fused_sdpa`) by `wrap(fused_sdpa)` wherever the attention calls it."""
+    for module in KERNEL_CALLERS:
+        monkeypatch.setattr(module, "fused_sdpa", wrap(module.fused_sdpa))
+
+
 @contextmanager
 def count_attention_paths(monkeypatch: pytest.MonkeyPatch, profile: bool = True) -> Iterator[Counter]:
     """Count attention calls per path: "fused" (our kernel dispatch), "default" (matmul-softmax), and, with
@@ -98,8 +109,8 @@ def count_attention_paths(monkeypatch: pytest.MonkeyPatch, profile: bool = True)
 
         return wrapper
 
-    monkeypatch.setattr(attention, "fused_sdpa", counted("fused", attention.fused_sdpa))
-    monkeypatch.setattr(segmented_attention, "fused_sdpa", counted("fused", segmented_attention.fused_sdpa))
+    spy_on_fused_kernel(monkeypatch, lambda function: counted("fused", function))
+    monkeypatch.setattr(variable_length, "flex_sdpa", counted("fused", variable_length.flex_sdpa))
     monkeypatch.setattr(attention, "matmul_softmax_attention", counted("default", attention.matmul_softmax_attention))
     if not profile:
         yield counts

@@ -206,12 +206,12 @@ def test_other_cache_arguments_are_still_refused():
         attention.gaudi_attention_forward(ours.model.layers[0].self_attn, query, key, value, None, cache=object())
 
 
-def test_the_flag_runs_one_kernel_call_per_sequence_over_its_own_keys():
+def test_the_flag_runs_each_sequence_over_its_own_keys():
     """Three sequences packed as the engine packs them: a prompt from an empty cache, a decode step, and a prompt
     chunk after cached tokens; then two queries of engine padding. Each output row equals the attention over its
     own sequence's keys under the engine's dense mask."""
-    from optimum.habana.transformers.attention_flags import AttentionFlags
-    from optimum.habana.transformers.paged_attention import paged_flash_attention, sequence_bounds
+    from optimum.habana.kernels.variable_length import Segment, segmented_sdpa
+    from optimum.habana.transformers.batch_layout import paged_bounds, paged_segments
 
     shapes = [(5, 5), (1, 9), (4, 12)]  # (queries, keys) per sequence
     cu_q = torch.tensor([0, 5, 6, 10], dtype=torch.int32)
@@ -228,11 +228,15 @@ def test_the_flag_runs_one_kernel_call_per_sequence_over_its_own_keys():
         query, key, value, dense[None, None], 0.25, 0.0, torch.float32, softcap=None, is_causal=False
     )[0].transpose(1, 2)
 
-    bounds = sequence_bounds(12, cu_q, {"full_attention": cu_k})
-    assert bounds == [(0, 5, 0, 5), (5, 6, 5, 14), (6, 10, 14, 26)]
-    output = paged_flash_attention(query, key, value, bounds, 0.25, AttentionFlags(use_flash_attention=True))
-    torch.testing.assert_close(output[:, :, :10], expected[:, :, :10], rtol=1e-5, atol=1e-5)
-    assert torch.equal(output[:, :, 10:], torch.zeros(1, 4, 2, 16))
+    bounds = paged_bounds(cu_q, {"full_attention": cu_k})  # planned on the host: one call per sequence
+    assert bounds == (Segment(0, 0, 5, 0, 5), Segment(0, 5, 6, 5, 14), Segment(0, 6, 10, 14, 26))
+    segments = paged_segments(cu_q, cu_k, 12, 26)  # in a graph: tensors only, one call
+    assert segments.query_ids.tolist() == [[0] * 5 + [1] + [2] * 4 + [-1] * 2]
+    options = {"scale": 0.25, "dropout_p": 0.0, "fast_softmax": False, "recompute": False}
+    for plan in (segments._replace(bounds=bounds), segments):
+        output = segmented_sdpa(query, key, value, plan, **options)
+        torch.testing.assert_close(output[:, :, :10], expected[:, :, :10], rtol=1e-5, atol=1e-5)
+        assert torch.equal(output[:, :, 10:], torch.zeros(1, 4, 2, 16))
 
 
 def test_long_prompts_in_chunks_next_to_decoding_requests_match_generate(monkeypatch):

@@ -5,7 +5,7 @@ import torch
 import transformers.masking_utils
 
 from optimum.habana import GaudiLlamaForCausalLM, GaudiMistralForCausalLM
-from optimum.habana.kernels import dispatch
+from optimum.habana.kernels import dispatch, variable_length
 from optimum.habana.transformers import attention
 from tests.helpers import left_padded_batch, tiny_config, tiny_llama_config
 
@@ -17,7 +17,7 @@ def model() -> GaudiLlamaForCausalLM:
 
 
 def spy_masks_and_kernel(monkeypatch) -> tuple[list, list]:
-    """Record the 4-D masks transformers builds and the kernel calls' masks."""
+    """Record the 4-D masks transformers builds and the kernel calls' (query length, mask, is_causal)."""
     built, kernel_masks = [], []
     real_mask, real_kernel = transformers.masking_utils.sdpa_mask, attention.fused_sdpa
 
@@ -27,12 +27,13 @@ def spy_masks_and_kernel(monkeypatch) -> tuple[list, list]:
         return result
 
     def kernel(query, key, value, attn_mask, **kwargs):
-        kernel_masks.append((query.shape[2], attn_mask, kwargs["valid_sequence_lengths"]))
+        kernel_masks.append((query.shape[2], attn_mask, kwargs["is_causal"]))
         return real_kernel(query, key, value, attn_mask, **kwargs)
 
     for name in ("gaudi", "gaudi_fused_sdpa", "sdpa"):
         monkeypatch.setitem(transformers.masking_utils.ALL_MASK_ATTENTION_FUNCTIONS._global_mapping, name, mask)
     monkeypatch.setattr(attention, "fused_sdpa", kernel)
+    monkeypatch.setattr(variable_length, "fused_sdpa", kernel)
     return built, kernel_masks
 
 
@@ -52,11 +53,11 @@ def test_padded_prefill_builds_no_mask_and_keeps_the_tokens(model, monkeypatch, 
     assert torch.equal(default, flash)
     prefill = [call for call in kernel_masks if call[0] > 1]
     assert len(prefill) == model.config.num_hidden_layers
-    for _, mask, lengths in prefill:
-        assert mask is None and lengths.tolist() == [12, 7, 3]
+    for _, mask, is_causal in prefill:  # causal over the real tokens, which the rows' permutation put first
+        assert mask is None and is_causal
     # The decode steps' masks are [B, 1, 1, kv]: only those were built.
     assert built and all(mask.shape[-2] == 1 for mask in built if mask is not None)
-    assert model.config._attn_implementation == "sdpa"  # the temporary name is gone: stock's default again
+    assert model.config._attn_implementation == "sdpa"  # no name was swapped for the call
 
 
 def test_default_path_fallback_rebuilds_the_padding_mask(model):

@@ -12,7 +12,9 @@ from peft import LoraConfig, get_peft_model
 from transformers import DataCollatorWithFlattening
 
 from optimum.habana.cli.finetuning.modeling import attention_projections
-from optimum.habana.transformers import attention, packing, segmented_attention
+from optimum.habana.kernels import variable_length
+from optimum.habana.kernels.variable_length import Segment
+from optimum.habana.transformers import attention, batch_layout
 from tests.helpers import FAMILIES, SLIDING_WINDOW_CONFIGS, SOFT_CAPPED, build_pair
 
 
@@ -103,7 +105,7 @@ def test_fused_packed_path_runs_one_maskless_call_per_example(model_type, flash_
     overrides = {"sliding_window": 64} if model_type == "mistral" else {}  # a window longer than every example
     ours, _ = build_pair(model_type, **overrides)
     calls = []
-    kernel = segmented_attention.fused_sdpa
+    kernel = variable_length.fused_sdpa
 
     def spy(query, key, value, mask, **kwargs):
         calls.append((query.shape[2], key.shape[2], mask, kwargs["is_causal"]))
@@ -113,8 +115,9 @@ def test_fused_packed_path_runs_one_maskless_call_per_example(model_type, flash_
         raise AssertionError("an N x N mask was built for a packed batch on the fused path")
 
     monkeypatch.setattr(attention, "fused_sdpa", spy)  # any unpacked call would be counted too
-    monkeypatch.setattr(segmented_attention, "fused_sdpa", spy)
-    monkeypatch.setattr(attention, "packed_causal_mask", no_mask_here)
+    monkeypatch.setattr(variable_length, "fused_sdpa", spy)
+    monkeypatch.setattr(variable_length, "segment_mask", no_mask_here)
+    monkeypatch.setattr(attention, "segment_mask", no_mask_here)
     monkeypatch.setattr(attention, "sdpa_mask", no_mask_here)
     ours.train()
     batch = DataCollatorWithFlattening(return_flash_attn_kwargs=flash_kwargs)(examples())
@@ -124,7 +127,9 @@ def test_fused_packed_path_runs_one_maskless_call_per_example(model_type, flash_
 
 
 def test_default_path_reads_a_block_diagonal_mask_within_windows():
-    mask = packing.packed_causal_mask(((3, 2),), sliding_window=2, device=torch.device("cpu"))
+    tokens = torch.zeros(1, 5, dtype=torch.long)
+    segments = batch_layout.packed_segments(torch.tensor([[0, 1, 2, 0, 1]]), None, tokens)
+    mask = variable_length.segment_mask(segments, sliding_window=2)
     expected = torch.tensor(
         [
             [1, 0, 0, 0, 0],
@@ -138,16 +143,31 @@ def test_default_path_reads_a_block_diagonal_mask_within_windows():
     assert torch.equal(mask, expected[None, None])
 
 
+def bounds(lengths_per_row: list[list[int]]) -> tuple[Segment, ...]:
+    segments = []
+    for row, lengths in enumerate(lengths_per_row):
+        start = 0
+        for length in lengths:
+            segments.append(Segment(row, start, start + length, start, start + length))
+            start += length
+    return tuple(segments)
+
+
 def test_what_counts_as_packed():
+    """On the host: position ids that restart, or FlashAttention's boundaries, read once into Python bounds."""
     tokens = torch.zeros(1, 6, dtype=torch.long)
     restart = torch.tensor([[0, 1, 2, 0, 1, 0]])
-    assert packing.packed_sequence_lengths(restart, None, None, tokens, {}) == ((3, 2, 1),)
-    assert packing.packed_sequence_lengths(torch.arange(6)[None], None, None, tokens, {}) is None
-    assert packing.packed_sequence_lengths(restart, torch.ones(1, 6), None, tokens, {}) is None  # padded, not packed
-    boundaries = {"cu_seq_lens_q": torch.tensor([0, 4, 6], dtype=torch.int32)}
-    assert packing.packed_sequence_lengths(None, None, None, tokens, boundaries) == ((4, 2),)
+    assert batch_layout.packed_segments(restart, None, tokens).bounds == bounds([[3, 2, 1]])
+    assert batch_layout.packed_segments(torch.arange(6)[None], None, tokens) is None
+    boundaries = torch.tensor([0, 4, 6], dtype=torch.int32)
+    assert batch_layout.packed_segments(None, boundaries, tokens).bounds == bounds([[4, 2]])
     two_rows = torch.tensor([[0, 1, 0, 1, 2, 3], [0, 1, 2, 3, 0, 1]])
-    assert packing.packed_sequence_lengths(two_rows, None, None, tokens.repeat(2, 1), {}) == ((2, 4), (4, 2))
+    assert batch_layout.packed_segments(two_rows, None, tokens.repeat(2, 1)).bounds == bounds([[2, 4], [4, 2]])
+    # A padded batch is not packed: the decoder plans it as a padded prompt, whatever its position ids.
+    config = build_pair("llama")[0].config
+    kwargs = {"input_ids": tokens, "attention_mask": torch.ones(1, 6), "position_ids": restart}
+    kwargs.update(use_flash_attention=True, flash_attention_causal_mask=False)
+    assert "segments" not in batch_layout.plan_batch_layout(config, kwargs, torch.float32)
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")

@@ -25,10 +25,9 @@ from optimum.habana.cli.evaluation.lm_eval.arguments import (
 )
 from optimum.habana.cli.evaluation.lm_eval.harness import SHIPPED_TASKS_DIR, score_rows
 from optimum.habana.cli.evaluation.lm_eval.tasks.flash_mc import flash_mc_items
-from optimum.habana.kernels import dispatch
 from optimum.habana.transformers import attention
 from optimum.habana.utils.model_loading import CACHE_ENV_VAR
-from tests.helpers import ROOT, load_script, save_tiny_checkpoint
+from tests.helpers import ROOT, load_script, save_tiny_checkpoint, spy_on_fused_kernel
 
 
 SCRIPT = ROOT / "examples" / "text-generation" / "run_lm_eval.py"
@@ -59,7 +58,7 @@ def recording_attention(patch: pytest.MonkeyPatch) -> list[tuple[str, tuple[int,
 
         return wrapper
 
-    patch.setattr(attention, "fused_sdpa", recorded("fused", dispatch.fused_sdpa))
+    spy_on_fused_kernel(patch, lambda function: recorded("fused", function))
     patch.setattr(attention, "matmul_softmax_attention", recorded("default", attention.matmul_softmax_attention))
     return calls
 

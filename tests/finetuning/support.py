@@ -12,7 +12,8 @@ from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 from transformers import LlamaForCausalLM, PreTrainedTokenizerFast, TrainerCallback
 
 from optimum.habana.cli.finetuning import prompts
-from optimum.habana.transformers import attention, segmented_attention
+from optimum.habana.kernels import variable_length
+from optimum.habana.transformers import attention
 from tests.helpers import ROOT, count_attention_paths, tiny_llama_config
 
 
@@ -90,7 +91,7 @@ def run_script(script, argv: list[str]) -> Run:
     """main(argv), with every attention call counted by path and the kernel's recompute argument recorded."""
     run = Run(metrics={})
     with pytest.MonkeyPatch.context() as patch, count_attention_paths(patch) as counts:
-        for module in (attention, segmented_attention):  # padded and padding-free (packed) batches
+        for module in (attention, variable_length):  # padded and padding-free (packed) batches
             patch.setattr(module, "fused_sdpa", recording_recompute(run, module.fused_sdpa))
         run.metrics = script.main(argv, callbacks=[Recorder(run)])
     run.counts = counts

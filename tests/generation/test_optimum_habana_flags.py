@@ -21,24 +21,27 @@ from optimum.habana.transformers import attention
 from optimum.habana.transformers.cache import BucketedStaticCache
 from optimum.habana.utils import devices, model_loading
 from tests.generation.support import bad_model_inputs, outputs, parse, run_in_process, tiny_argv
-from tests.helpers import save_tiny_checkpoint, tiny_config, write_gguf
+from tests.helpers import save_tiny_checkpoint, spy_on_fused_kernel, tiny_config, write_gguf
 
 
 @pytest.fixture
 def attention_calls(monkeypatch):
     """Every attention call: (path, query length, key length, kernel keyword arguments)."""
     calls = []
-    fused, default = attention.fused_sdpa, attention.matmul_softmax_attention
+    default = attention.matmul_softmax_attention
 
-    def fused_spy(query, key, value, mask, **kwargs):
-        calls.append(("fused", query.shape[2], key.shape[2], {"mask": mask is not None, **kwargs}))
-        return fused(query, key, value, mask, **kwargs)
+    def fused_spy(fused):
+        def spy(query, key, value, mask, **kwargs):
+            calls.append(("fused", query.shape[2], key.shape[2], {"mask": mask is not None, **kwargs}))
+            return fused(query, key, value, mask, **kwargs)
+
+        return spy
 
     def default_spy(query, key, value, mask, *args, **kwargs):
         calls.append(("default", query.shape[2], key.shape[2], {"mask": mask is not None, **kwargs}))
         return default(query, key, value, mask, *args, **kwargs)
 
-    monkeypatch.setattr(attention, "fused_sdpa", fused_spy)
+    spy_on_fused_kernel(monkeypatch, fused_spy)
     monkeypatch.setattr(attention, "matmul_softmax_attention", default_spy)
     return calls
 

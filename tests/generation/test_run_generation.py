@@ -29,7 +29,7 @@ from tests.generation.support import (
     start_script,
     tiny_argv,
 )
-from tests.helpers import FLASH_KERNEL_CPU, count_attention_paths, save_tiny_checkpoint
+from tests.helpers import FLASH_KERNEL_CPU, count_attention_paths, save_tiny_checkpoint, spy_on_fused_kernel
 
 
 STATS_FIELDS = {
@@ -142,13 +142,15 @@ def test_no_flag_runs_the_default_attention(script, tiny_checkpoint, monkeypatch
 def test_every_flash_flag_reaches_the_kernel(script, tiny_checkpoint, monkeypatch):
     """An explicit `--flash_attention_fast_softmax True` survives to the kernel call, like the other companions."""
     calls = []
-    fused_sdpa = attention.fused_sdpa
 
-    def recording(*args, **kwargs):
-        calls.append((args[0].shape[2], kwargs))  # (query length, kernel arguments)
-        return fused_sdpa(*args, **kwargs)
+    def recording(fused_sdpa):
+        def spy(*args, **kwargs):
+            calls.append((args[0].shape[2], args[3], kwargs))  # (query length, mask, kernel arguments)
+            return fused_sdpa(*args, **kwargs)
 
-    monkeypatch.setattr(attention, "fused_sdpa", recording)
+        return spy
+
+    spy_on_fused_kernel(monkeypatch, recording)
     flags = [
         "--use_flash_attention",
         "--flash_attention_recompute",
@@ -159,13 +161,13 @@ def test_every_flash_flag_reaches_the_kernel(script, tiny_checkpoint, monkeypatc
     attention.warn_once.cache_clear()  # a warning already shown in this process is not repeated
     with pytest.warns(UserWarning, match="flash_attention_fast_softmax has no equivalent"):
         assert script.main(tiny_argv(tiny_checkpoint, *flags)) == 0
-    prefill = [kwargs for q_len, kwargs in calls if q_len > 1]
-    decode = [kwargs for q_len, kwargs in calls if q_len == 1]
+    prefill = [(mask, kwargs) for q_len, mask, kwargs in calls if q_len > 1]
+    decode = [kwargs for q_len, _, kwargs in calls if q_len == 1]
     assert prefill and decode
-    for kwargs in prefill:
+    for mask, kwargs in prefill:
         assert kwargs["softmax_mode"] == "fast"
         assert kwargs["recompute"] is True
-        assert kwargs["valid_sequence_lengths"] is not None  # the causal mode with per-row lengths
+        assert mask is None and kwargs["is_causal"]  # the causal mode, over each row's real tokens
     for kwargs in decode:  # the core library keeps decode exact and light
         assert kwargs["softmax_mode"] == "None" and kwargs["recompute"] is False
 

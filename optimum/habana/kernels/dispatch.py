@@ -13,6 +13,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from transformers.utils.import_utils import is_tracing
 
 from ..hpu import HPUKernel, hpu_kernel, on_hpu
 
@@ -76,9 +77,17 @@ def fused_sdpa(
             "the exact softmax is used."
         )
     # `recompute` needs nothing here: PyTorch's fused kernels never keep the probabilities, backward recomputes them.
-    if valid_sequence_lengths is not None:
-        return _torch_causal_prefill(query, key, value, scale, dropout_p, valid_sequence_lengths, padding_side)
+    if valid_sequence_lengths is not None and padding_side != "right":
+        # PyTorch's kernels have no valid-length mode; right padding is exact under `is_causal` for the real tokens.
+        raise ValueError("valid_sequence_lengths with left padding runs on Gaudi only: permute the rows first")
     return _torch_fused_sdpa(query, key, value, attn_mask, is_causal=is_causal, scale=scale, dropout_p=dropout_p)
+
+
+def host_reads_allowed(tensor: torch.Tensor) -> bool:
+    """Whether code about to run on `tensor` may read a value to the host: not while a graph is traced or captured
+    (torch.compile, CUDA-graph capture, FX or JIT tracing), and never on Gaudi, whose lazy mode and HPU graphs are
+    graphs too (a read cuts the graph, and a recorded branch is replayed whatever the data)."""
+    return not on_hpu(tensor) and not is_tracing(tensor)
 
 
 def needs_padding_mask(tensor: torch.Tensor, causal_mask_mode: bool) -> bool:
@@ -189,45 +198,6 @@ def _pytorch_choice(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     return None if choose is None else choose(query, key, value, **options)
 
 
-def _torch_causal_prefill(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    scale: float | None,
-    dropout_p: float,
-    valid_sequence_lengths: torch.Tensor,
-    padding_side: PaddingSide,
-) -> torch.Tensor:
-    """Causal attention over the real tokens only, with no mask: what FusedSDPA's valid_seq_len does on Gaudi.
-
-    Right padding needs nothing: a causal query never sees the padding after it. Left padding is turned into
-    right padding: each row is rotated so that its real tokens come first, one causal kernel call runs the whole
-    batch, and the output is rotated back. That costs copies of Q, K, V and the output (O(N) memory) instead of an
-    N x N mask. Outputs at padding positions are zero.
-    """
-    q_len = query.shape[2]
-    if padding_side == "right" or bool((valid_sequence_lengths == q_len).all()):
-        return _torch_fused_sdpa(query, key, value, None, is_causal=True, scale=scale, dropout_p=dropout_p)
-    positions = torch.arange(q_len, device=query.device)
-    starts = (q_len - valid_sequence_lengths.to(query.device, torch.long))[:, None]
-    rotated = (positions + starts) % q_len  # rotated[b, i]: where row b's i-th token sits in the input
-
-    def rotate(tensor: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-        return tensor.gather(2, index[:, None, :, None].expand(-1, tensor.shape[1], -1, tensor.shape[3]))
-
-    output = _torch_fused_sdpa(
-        rotate(query, rotated),
-        rotate(key[:, :, :q_len], rotated),
-        rotate(value[:, :, :q_len], rotated),
-        None,
-        is_causal=True,
-        scale=scale,
-        dropout_p=dropout_p,
-    )
-    output = rotate(output, (positions - starts) % q_len)
-    return output.masked_fill_((positions < starts)[:, None, :, None], 0.0)
-
-
 def warn_once(message: str) -> None:
     """One warning per distinct message and process: the attention runs once per layer and step.
 
@@ -246,4 +216,4 @@ def _warn_once(message: str) -> None:
 warn_once.cache_clear = _warn_once.cache_clear  # tests reset the "once"
 
 
-__all__ = ["FusedSDPAUnavailable", "fused_sdpa", "needs_padding_mask", "warn_once"]
+__all__ = ["FusedSDPAUnavailable", "fused_sdpa", "host_reads_allowed", "needs_padding_mask", "warn_once"]

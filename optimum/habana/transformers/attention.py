@@ -8,8 +8,10 @@ transformers' SDPA mask function, so any model family that looks its attention u
 
 The mask contract (from `transformers.masking_utils`): a boolean `[B, 1, q, kv]` mask (True = attend) or an
 additive float mask, or None when causality alone is exact: "causal, top-left aligned" for q > 1, "no mask" for
-q == 1. Sliding windows are part of the mask, so both paths honour them by reading it; so are packed sequences,
-except in a Gaudi model, which hands the attention their lengths instead (`packing.py`).
+q == 1. Sliding windows are part of the mask, so both paths honour them by reading it. A Gaudi model's decoder
+replaces the masks that would cost O(N^2) on the fused path by a plan (`batch_layout.py`): a padded prompt's real
+tokens, the sequences of a packed batch or of a continuous-batching step; every layer then runs without reading a
+tensor on the host, so the model traces into one graph.
 """
 
 from typing import Any
@@ -22,18 +24,21 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.utils.generic import TransformersKwargs
 
 from ..kernels.dispatch import FusedSDPAUnavailable, fused_sdpa, warn_once
+from ..kernels.variable_length import (
+    PaddedPrompt,
+    Segment,
+    Segments,
+    padded_causal_sdpa,
+    segment_mask,
+    segmented_sdpa,
+)
 from .attention_flags import DEFAULT_PATH_FLAGS, AttentionFlags, attention_flags_of, call_attention_flags
-from .packing import PackedLengths, packed_causal_mask
-from .paged_attention import paged_flash_attention, sequence_bounds
-from .segmented_attention import Segment, fused_attention_per_segment
+from .batch_layout import paged_segments
 
 
 ATTENTION_IMPLEMENTATION = "gaudi"
 # Optimum-Habana's name for the fused attention; registered as the same function.
 FUSED_SDPA_IMPLEMENTATION = "gaudi_fused_sdpa"
-# The name a Gaudi model's config carries while a padded prompt runs the fused path without a mask: its mask
-# function builds nothing, the attention gets the per-row valid lengths instead (`GaudiAttentionMixin.forward`).
-MASK_FREE_PREFILL = "gaudi_mask_free_prefill"
 
 # Keywords that reach every attention function and need nothing here: the model or the mask has already used them
 # (positions, packed-sequence boundaries, caching), they switch model-level outputs, or they are the loss's, which
@@ -44,7 +49,7 @@ IGNORED_ATTENTION_KWARGS = (
     frozenset(TransformersKwargs.__annotations__) - {"output_attentions", "is_causal"}  # both read below
 ) | {"cache_position", "use_cache", "shift_labels", "ignore_index"}
 # What transformers' continuous batching passes besides its paged cache: the cache reads them in `update`, the
-# engine reads the logits ones; its 4-D mask already encodes every sequence's boundaries and cached tokens.
+# engine reads the logits ones; the step's sequences come from `cu_seq_lens_q`/`cu_seq_lens_k` (or its mask).
 CONTINUOUS_BATCHING_KWARGS = frozenset(
     {"read_index", "write_index", "block_table", "logits_indices", "logits_processor_args"}
 )
@@ -62,26 +67,25 @@ def gaudi_attention_forward(
     softcap: float | None = None,
     is_causal: bool | None = None,
     output_attentions: bool | None = None,
-    valid_sequence_lengths: torch.Tensor | None = None,
-    padding_side: str = "left",
-    packed_sequence_lengths: PackedLengths | None = None,
+    padded_prompt: PaddedPrompt | None = None,
+    segments: Segments | None = None,
+    segment_bounds: tuple[Segment, ...] | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Attention for query `[B, H, q, D]` and key/value `[B, Hkv, kv, D]`; returns `([B, q, H, D], weights)`.
 
-    The flags arrive as keyword arguments from the model's forward. `valid_sequence_lengths` (int32 `[B]`) marks
-    a prefill from an empty cache whose batch is padded on `padding_side`; with `flash_attention_causal_mask` the
-    fused kernel then runs causally over the real tokens instead of reading a mask. `packed_sequence_lengths`
-    marks a padding-free packed batch (`optimum.habana.transformers.packing`), which comes without a mask.
+    The flags arrive as keyword arguments from the model's forward, the batch's layout from the decoder's plan
+    (`batch_layout`): `padded_prompt` for a padded prompt that runs causally over its real tokens (then the mask is
+    only the `[B, 1, 1, kv]` real keys, or transformers' own where a sliding window needs it), `segments` for a
+    padding-free packed batch, `segment_bounds` for a continuous-batching step planned on the host.
     Weights are returned by the default path only: the fused kernel never materialises them.
     """
     flags = call_attention_flags(kwargs, model_flag_defaults(module))
     cache = kwargs.pop("cache", None)
-    paged_bounds = None
     if isinstance(cache, PagedAttentionCache):  # continuous batching: the layer writes and reads its paged cache
         key, value = cache.update(key_states=key, value_states=value, layer_idx=module.layer_idx, kwargs=kwargs)
-        if sliding_window is None:
-            paged_bounds = sequence_bounds(query.shape[2], kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k"))
+        if attention_mask is None and sliding_window is None:  # the engine built no mask: the flag's step
+            segments = paged_step_segments(kwargs, query.shape[2], key.shape[2], segment_bounds)
         for name in CONTINUOUS_BATCHING_KWARGS:
             kwargs.pop(name, None)
     elif cache is not None:
@@ -93,9 +97,17 @@ def gaudi_attention_forward(
             "so it cannot honour them. This model family is not supported by optimum.habana: use transformers' own "
             "attn_implementation for it."
         )
-    if packed_sequence_lengths is not None:
-        q_len = query.shape[2]
-        key, value = key[:, :, :q_len], value[:, :, :q_len]  # a static cache's unused slots lie past the batch
+    if segments is not None:
+        key, value = key[:, :, : segments.key_ids.shape[1]], value[:, :, : segments.key_ids.shape[1]]
+    if padded_prompt is not None and sliding_window is not None and query.shape[2] > sliding_window:
+        # The window lives in transformers' mask, which this layer keeps (only windowless models go mask-free).
+        if flags.use_flash_attention and flags.flash_attention_causal_mask:
+            warn_once(
+                f"flash_attention_causal_mask: {type(module).__name__} attends within a sliding window of "
+                f"{sliding_window} tokens, shorter than this prompt ({query.shape[2]}); its layers read the mask to "
+                "keep the window."
+            )
+        padded_prompt = None
     if flags.use_flash_attention:
         for name in DEFAULT_PATH_FLAGS:
             if getattr(flags, name):
@@ -104,48 +116,20 @@ def gaudi_attention_forward(
                     "only to the calls that take the default path (soft-capped logits, attention weights asked for)."
                 )
         reason = fused_path_refusal(module, softcap, output_attentions)
-        if reason is None and paged_bounds is not None:
-            try:
-                output = paged_flash_attention(query, key, value, paged_bounds, scaling, flags)
-                return output.transpose(1, 2).contiguous(), None
-            except FusedSDPAUnavailable as error:
-                reason = str(error)
-        elif reason is None and packed_sequence_lengths is not None:
-            try:
-                output = packed_flash_attention(
-                    module, query, key, value, packed_sequence_lengths, scaling, dropout, flags, sliding_window
-                )
-                return output.transpose(1, 2).contiguous(), None
-            except FusedSDPAUnavailable as error:
-                reason = str(error)
-        elif reason is None:
+        if reason is None:
             try:
                 output = flash_attention(
-                    module,
-                    query,
-                    key,
-                    value,
-                    attention_mask,
-                    scaling,
-                    dropout,
-                    flags,
-                    sliding_window,
-                    is_causal,
-                    valid_sequence_lengths,
-                    padding_side,
-                )
-                masked = fully_masked_queries(attention_mask)
-                if masked is not None:
-                    output = output.masked_fill(masked, 0.0)
+                    module, query, key, value, attention_mask, scaling, dropout, flags, sliding_window, is_causal,
+                    padded_prompt, segments,
+                )  # fmt: skip
                 return output.transpose(1, 2).contiguous(), None
             except FusedSDPAUnavailable as error:
                 reason = str(error)
         warn_once(f"use_flash_attention: {reason}. Running the default attention instead; results are unchanged.")
-    if attention_mask is None and valid_sequence_lengths is not None and query.shape[2] > 1:
-        # A mask-free padded prefill that ends up here needs its padding mask after all.
-        attention_mask = causal_padding_mask(valid_sequence_lengths, query.shape[2], padding_side)
-    if attention_mask is None and packed_sequence_lengths is not None:
-        attention_mask = packed_causal_mask(packed_sequence_lengths, sliding_window, query.device)
+    if segments is not None:
+        attention_mask = segment_mask(segments, sliding_window)
+    elif padded_prompt is not None and (attention_mask is None or attention_mask.shape[-2] == 1):
+        attention_mask = prompt_mask(padded_prompt, key.shape[2])  # the real keys only: add causality
     softmax_dtype = query.dtype if flags.attn_softmax_bf16 else torch.float32
     return matmul_softmax_attention(
         query,
@@ -158,6 +142,19 @@ def gaudi_attention_forward(
         softcap=softcap,
         is_causal=is_causal is not False,
     )
+
+
+def paged_step_segments(
+    kwargs: dict[str, Any], query_length: int, key_length: int, bounds: tuple[Segment, ...] | None
+) -> Segments | None:
+    """The sequences of a continuous-batching step: planned on the host, or as tensors from the engine's boundaries."""
+    cu_seq_lens_q, cu_seq_lens_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    if isinstance(cu_seq_lens_k, dict):  # before the paged cache's update, keyed by layer type
+        cu_seq_lens_k = cu_seq_lens_k.get("full_attention")
+    if not isinstance(cu_seq_lens_q, torch.Tensor) or not isinstance(cu_seq_lens_k, torch.Tensor):
+        return None
+    segments = paged_segments(cu_seq_lens_q, cu_seq_lens_k, query_length, key_length)
+    return segments._replace(bounds=bounds)
 
 
 def fused_path_refusal(module: nn.Module, softcap: float | None, output_attentions: bool | None) -> str | None:
@@ -183,120 +180,38 @@ def flash_attention(
     flags: AttentionFlags,
     sliding_window: int | None,
     is_causal: bool | None,
-    valid_sequence_lengths: torch.Tensor | None,
-    padding_side: str,
+    padded_prompt: PaddedPrompt | None,
+    segments: Segments | None,
 ) -> torch.Tensor:
-    """Choose the kernel arguments for this phase; returns `[B, H, q, D]`."""
-    q_len = query.shape[2]
-    is_prefill = q_len > 1
-    if not is_prefill or (attention_mask is not None and not flags.flash_attention_causal_mask):
-        # Valid lengths replace the mask when transformers built none (a mask-free prefill) or when asked to.
-        valid_sequence_lengths = None
-    if valid_sequence_lengths is not None and sliding_window is not None and q_len > sliding_window:
-        # Valid lengths replace the mask, and the mask is what carries the window: keep the mask for this layer.
-        warn_once(
-            f"flash_attention_causal_mask: {type(module).__name__} attends within a sliding window of "
-            f"{sliding_window} tokens, shorter than this prompt ({q_len}); its layers read the mask to keep the window."
-        )
-        valid_sequence_lengths = None
-    if valid_sequence_lengths is not None or (attention_mask is None and is_prefill and is_causal is not False):
-        # Causal prefill from an empty cache: a static cache's unused slots lie past the prompt, drop them.
-        key, value = key[:, :, :q_len], value[:, :, :q_len]
-        attention_mask, causal = None, True
-    else:
-        causal = False
-    output = fused_sdpa(
-        query,
-        key,
-        value,
-        attention_mask,
-        is_causal=causal,
-        scale=scaling,
-        dropout_p=dropout if module.training else 0.0,
-        # The fast softmax pays off on long prompts only; decode stays exact (it cost throughput there).
-        softmax_mode="fast" if flags.flash_attention_fast_softmax and is_prefill else "None",
-        # Recomputation trades compute for memory where there is memory to save: prefill and training.
-        recompute=flags.flash_attention_recompute and (is_prefill or module.training),
-        valid_sequence_lengths=valid_sequence_lengths,
-        padding_side=padding_side,
-    )
-    if valid_sequence_lengths is None:
-        return output
+    """Choose the kernel and its arguments for this call; returns `[B, H, q, D]`."""
+    is_prefill = query.shape[2] > 1
+    dropout = dropout if module.training else 0.0
+    # Recomputation trades compute for memory where there is memory to save: prefill and training.
     recompute = flags.flash_attention_recompute and (is_prefill or module.training)
-    return padding_queries_as_stock(
-        output, query, key, value, valid_sequence_lengths, padding_side, scaling, recompute
-    )
-
-
-def padding_queries_as_stock(
-    output: torch.Tensor,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    valid_sequence_lengths: torch.Tensor,
-    padding_side: str,
-    scaling: float | None,
-    recompute: bool,
-) -> torch.Tensor:
-    """The outputs at a mask-free prefill's padding positions, as transformers' mask gives them.
-
-    Under the mask, a left-padding query attends to nothing (zero), and a right-padding query attends to its row's
-    real tokens, all of which come before it. The causal kernel let the latter see the padding before it too, and
-    devices differ on the former, so both are set here: the real tokens' outputs are untouched, and each
-    right-padded row costs one more kernel call for its padding queries (O(padding x real) work, no mask).
-    """
-    q_len = query.shape[2]
-    positions = torch.arange(q_len, device=query.device)
-    lengths = valid_sequence_lengths.to(query.device, torch.long)
-    if padding_side == "left":
-        return output.masked_fill((positions < (q_len - lengths)[:, None])[:, None, :, None], 0.0)
-    padding_outputs = torch.zeros_like(output)
-    for row, length in enumerate(lengths.tolist()):
-        if 0 < length < q_len:
-            padding_outputs[row : row + 1, :, length:] = fused_sdpa(
-                query[row : row + 1, :, length:],
-                key[row : row + 1, :, :length],
-                value[row : row + 1, :, :length],
-                None,
-                is_causal=False,
-                scale=scaling,
-                recompute=recompute,
-            )
-    return torch.where((positions >= lengths[:, None])[:, None, :, None], padding_outputs, output)
-
-
-def packed_flash_attention(
-    module: nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    lengths: PackedLengths,
-    scaling: float | None,
-    dropout: float,
-    flags: AttentionFlags,
-    sliding_window: int | None,
-) -> torch.Tensor:
-    """One causal kernel call per packed example, no mask across them; returns `[B, H, q, D]`.
-
-    An example longer than a sliding window reads its own `[length, length]` window mask: the kernels have no
-    window argument. Every call is a prefill, so the prefill-only flags apply as they do to a prompt.
-    """
-    segments = []
-    for row, row_lengths in enumerate(lengths):
-        start = 0
-        for length in row_lengths:
-            segments.append(Segment(row, start, start + length, start, start + length))
-            start += length
-    return fused_attention_per_segment(
-        query,
-        key,
-        value,
-        segments,
-        scaling=scaling,
-        dropout=dropout if module.training else 0.0,
-        flags=flags,
-        sliding_window=sliding_window,
-    )
+    if segments is not None:
+        return segmented_sdpa(
+            query,
+            key,
+            value,
+            segments,
+            scale=scaling,
+            dropout_p=dropout,
+            fast_softmax=flags.flash_attention_fast_softmax,
+            recompute=flags.flash_attention_recompute,
+            sliding_window=sliding_window,
+        )
+    # The fast softmax pays off on long prompts only; decode stays exact (it cost throughput there).
+    softmax_mode = "fast" if flags.flash_attention_fast_softmax and is_prefill else "None"
+    options = {"scale": scaling, "dropout_p": dropout, "softmax_mode": softmax_mode, "recompute": recompute}
+    if padded_prompt is not None:
+        return padded_causal_sdpa(query, key, value, padded_prompt, **options)
+    if attention_mask is None and is_prefill and is_causal is not False:
+        # Causal prefill from an empty cache: a static cache's unused slots lie past the prompt, drop them.
+        q_len = query.shape[2]
+        return fused_sdpa(query, key[:, :, :q_len], value[:, :, :q_len], None, is_causal=True, **options)
+    output = fused_sdpa(query, key, value, attention_mask, is_causal=False, **options)
+    masked = fully_masked_queries(attention_mask)
+    return output if masked is None else output.masked_fill(masked, 0.0)
 
 
 def matmul_softmax_attention(
@@ -361,6 +276,15 @@ def fully_masked_queries(attention_mask: torch.Tensor | None) -> torch.Tensor | 
     return (attention_mask <= torch.finfo(attention_mask.dtype).min).all(dim=-1, keepdim=True)
 
 
+def prompt_mask(prompt: PaddedPrompt, key_length: int) -> torch.Tensor:
+    """The boolean `[B, 1, q, kv]` mask transformers builds for a padded prompt: causal, over the real keys."""
+    q_len = prompt.real.shape[1]
+    positions = torch.arange(key_length, device=prompt.real.device)
+    causal = positions[None, :] <= positions[:q_len, None]
+    real_keys = torch.nn.functional.pad(prompt.real, (0, key_length - q_len))  # a static cache's empty slots
+    return (causal[None] & real_keys[:, None, :])[:, None]
+
+
 def causal_padding_mask(valid_sequence_lengths: torch.Tensor, q_len: int, padding_side: str) -> torch.Tensor:
     """The boolean `[B, 1, q, q]` mask of a causal prefill whose rows hold `valid_sequence_lengths` real tokens."""
     positions = torch.arange(q_len, device=valid_sequence_lengths.device)
@@ -370,11 +294,6 @@ def causal_padding_mask(valid_sequence_lengths: torch.Tensor, q_len: int, paddin
         real = positions < valid_sequence_lengths[:, None]
     causal = positions[None, :] <= positions[:, None]
     return (causal[None] & real[:, None, :])[:, None]
-
-
-def no_mask(*args, **kwargs) -> None:
-    """The mask function of `MASK_FREE_PREFILL`: the attention reads valid lengths instead."""
-    return None
 
 
 class AttentionConfigView:
@@ -418,8 +337,6 @@ def register_gaudi_attention() -> None:
     for name in (ATTENTION_IMPLEMENTATION, FUSED_SDPA_IMPLEMENTATION):
         AttentionInterface.register(name, gaudi_attention_forward)
         AttentionMaskInterface.register(name, sdpa_mask)
-    AttentionInterface.register(MASK_FREE_PREFILL, gaudi_attention_forward)
-    AttentionMaskInterface.register(MASK_FREE_PREFILL, no_mask)
 
 
 register_gaudi_attention()

@@ -2,11 +2,13 @@
 --continuous-batching`) on a Gaudi model, with the Gaudi attention and its flags on every call.
 
 transformers' engine accepts a model whose `config._attn_implementation` is "sdpa", "paged|eager" or a flash
-implementation, builds a 4-D mask per batch for the first two, and passes its paged cache to the attention, which
-writes and reads it. A Gaudi model keeps its layers on the Gaudi attention whatever that name says
-(`AttentionConfigView`), so while a manager lives the config says "sdpa": the engine builds its masks, and the Gaudi
-attention updates the paged cache and runs the fused kernel (with `use_flash_attention`) or the default path over
-them. When the manager stops, the user's own choice comes back unchanged, flags included.
+implementation, builds a dense `[1, 1, q_total, kv_total]` mask per step for the first two, and passes its paged cache
+to the attention, which writes and reads it. A Gaudi model keeps its layers on the Gaudi attention whatever that name
+says (`AttentionConfigView`), so while a manager lives the config names what the engine must prepare: with
+`use_flash_attention` on a model whose layers all attend fully, a name that asks for no mask (the attention isolates
+the step's sequences from the engine's `cu_seq_lens_q`/`cu_seq_lens_k`, `batch_layout.py`); otherwise "sdpa", whose
+mask carries the sliding windows and the default path reads. When the manager stops, the user's own choice comes
+back unchanged, flags included.
 
 The flags come from the `generation_config` given to the engine, then from the model's, as in `generate()`.
 A request the engine would answer with an empty success, an unrelated scheduling error or a crash of the whole
@@ -38,13 +40,25 @@ from transformers.generation.continuous_batching.continuous_api import (
 from transformers.generation.continuous_batching.requests import RequestState
 
 from .attention_flags import attention_flags_of
+from .batch_layout import padding_mask_is_all_it_needs
 
 
 logger = logging.getLogger(__name__)
 
 
-# The name the engine sees while a manager lives: it builds a 4-D mask per batch for it.
+# The names the engine sees while a manager lives: it builds a dense 4-D mask per step for the first, none for the
+# second (no mask function is registered under it, so the decoder builds none either).
 CONTINUOUS_BATCHING_ATTENTION = "sdpa"
+MASK_FREE_STEP_ATTENTION = "gaudi_mask_free_step"
+
+
+def engine_attention(model: Any) -> str:
+    """The name to present to the engine: mask-free where the flag's path reads none (every layer full attention,
+    off Gaudi, whose kernel reads the step's mask)."""
+    flags = getattr(model, "_continuous_batching_flags", None) or attention_flags_of(model.generation_config)
+    if flags.get("use_flash_attention") and padding_mask_is_all_it_needs(model.config) and model.device.type != "hpu":
+        return MASK_FREE_STEP_ATTENTION
+    return CONTINUOUS_BATCHING_ATTENTION
 
 
 class ChosenAttnImplementation(str):
@@ -94,11 +108,12 @@ class GaudiContinuousBatchingManager(ContinuousBatchingManager):
     """transformers' manager, presenting a Gaudi model to its engine and checking each request before it queues."""
 
     def switch_to_cb_friendly_attn(self, model: Any, auto_switch_to_flash: bool = True) -> None:
-        chosen = model.config._attn_implementation
-        if chosen != CONTINUOUS_BATCHING_ATTENTION:
-            model.config._attn_implementation_internal = CONTINUOUS_BATCHING_ATTENTION
-            # The engine hands this back to set_attn_implementation when it stops.
-            self._original_attn_impl = ChosenAttnImplementation(chosen)
+        chosen, presented = model.config._attn_implementation, engine_attention(model)
+        if chosen != presented:
+            model.config._attn_implementation_internal = presented
+            if getattr(self, "_original_attn_impl", None) is None:  # a second switch keeps the user's choice
+                # The engine hands this back to set_attn_implementation when it stops.
+                self._original_attn_impl = ChosenAttnImplementation(chosen)
 
     def add_request(
         self,
@@ -232,11 +247,13 @@ def init_manager(
 
 __all__ = [
     "CONTINUOUS_BATCHING_ATTENTION",
+    "MASK_FREE_STEP_ATTENTION",
     "ChosenAttnImplementation",
     "GaudiContinuousBatchingManager",
     "RequestInterrupted",
     "RequestRefused",
     "blocks_needed",
+    "engine_attention",
     "engine_config",
     "engine_flags",
     "init_manager",

@@ -36,9 +36,10 @@ from .attention_flags import (
     pop_attention_flags,
     resolve_attention_flags,
 )
+from .batch_layout import is_padding_mask, padding_side_of
 from .cache import BucketedStaticCache
 from .continuous_batching import ChosenAttnImplementation, engine_flags, init_manager
-from .decoder_inputs import finish_decoder_call, prepare_decoder_call
+from .decoder_inputs import prepare_decoder_call
 from .generation import GaudiGenerationConfig, GaudiGenerationMixin
 
 
@@ -86,7 +87,6 @@ class GaudiAttentionMixin(GaudiGenerationMixin):
                 module.config = view
         decoder = self.base_model
         decoder.register_forward_pre_hook(functools.partial(prepare_decoder_call, view), with_kwargs=True)
-        decoder.register_forward_hook(finish_decoder_call, with_kwargs=True, always_call=True)
         self._apply_attn_implementation_default()
 
     @property
@@ -187,7 +187,8 @@ class GaudiAttentionMixin(GaudiGenerationMixin):
         is_first_iteration: bool | None = False,
         **kwargs: Any,
     ) -> dict[str, Any]:
-        """Also tell a bucketed static cache how many tokens the next forward adds, outside any compiled region.
+        """Also tell a bucketed static cache how many tokens the next forward adds, and the prompt's forward where its
+        padding lies (with the flag: one host read per generate() call), outside any compiled region or HPU graph.
 
         The signature is the stock one: generate() reads it to decide whether `inputs_embeds` is supported.
         generate()'s tokenizers (stop strings, assisted decoding) ride along in the model kwargs; they are not
@@ -195,6 +196,8 @@ class GaudiAttentionMixin(GaudiGenerationMixin):
         """
         for name in GENERATION_ONLY_KWARGS:
             kwargs.pop(name, None)
+        if is_first_iteration and kwargs.get("use_flash_attention") and is_padding_mask(attention_mask):
+            kwargs["padding_side"] = padding_side_of(attention_mask)
         if isinstance(past_key_values, BucketedStaticCache):
             new_tokens = next_sequence_length
             if new_tokens is None:
@@ -248,8 +251,14 @@ class GaudiAttentionMixin(GaudiGenerationMixin):
 
 
 def _stock_class(gaudi_class: type) -> type[PreTrainedModel]:
-    """The transformers class a Gaudi class extends (the last base: `GaudiXForCausalLM(GaudiAttentionMixin, X)`)."""
-    return gaudi_class.__bases__[-1]
+    """The transformers class a Gaudi class extends: the first class after the mixin in the MRO that is a transformers
+    model. Read from the MRO, not `__bases__`, so that a user's `class MyLlama(GaudiLlamaForCausalLM, SomeMixin)`
+    still finds `LlamaForCausalLM`."""
+    mro = gaudi_class.__mro__
+    for candidate in mro[mro.index(GaudiAttentionMixin) + 1 :]:
+        if issubclass(candidate, PreTrainedModel) and not issubclass(candidate, GaudiAttentionMixin):
+            return candidate
+    raise TypeError(f"{gaudi_class.__name__} mixes GaudiAttentionMixin into no transformers model class.")
 
 
 def _load_gaudi_generation_config(

@@ -18,8 +18,8 @@ from transformers import AutoConfig, AutoTokenizer
 
 from optimum.habana.cli.adapters import check_adapter_folder, check_adapter_matches
 from optimum.habana.transformers.attention_flags import AttentionFlags
+from optimum.habana.transformers.batch_layout import padding_mask_is_all_it_needs
 from optimum.habana.transformers.cache import bucketed_length
-from optimum.habana.transformers.decoder_inputs import padding_mask_is_all_it_needs
 from optimum.habana.transformers.models import GAUDI_CAUSAL_LM_CLASSES, supported_model_types
 from optimum.habana.utils.model_loading import (
     ModelResolutionError,

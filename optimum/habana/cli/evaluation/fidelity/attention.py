@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from optimum.habana.kernels.dispatch import needs_padding_mask
+from optimum.habana.kernels.variable_length import PaddedPrompt
 from optimum.habana.transformers.attention import causal_padding_mask, gaudi_attention_forward
 from optimum.habana.utils.devices import synchronize
 
@@ -187,7 +188,8 @@ def call_path(
             mask = causal_padding_mask(valid, seq_len, "left")
             output, _ = gaudi_attention_forward(module, query, key, value, mask, scaling=scale, **flags)
         else:  # no padding: causal mode; padding on CUDA/CPU: causal mode over the real tokens (valid lengths)
-            extra = {"valid_sequence_lengths": valid, "padding_side": "left"} if padded else {}
+            real = causal_padding_mask(valid, seq_len, "left")[:, 0, -1]  # the last query sees every real key
+            extra = {"padded_prompt": PaddedPrompt(real, valid, "left")} if padded else {}
             output, _ = gaudi_attention_forward(module, query, key, value, None, scaling=scale, **flags, **extra)
         return output, 1
     flags = {"attn_softmax_bf16": path == SOFTMAX_IN_MODEL_DTYPE}

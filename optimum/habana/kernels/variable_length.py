@@ -1,0 +1,266 @@
+"""Fused attention over rows that are not one plain causal sequence: padded prompts, and rows holding several sequences.
+
+- A padded prompt (`PaddedPrompt`): the kernels run causally over each row's real tokens, without the `[B, 1, q, q]`
+  padding mask. Right padding needs nothing; other layouts are first permuted so that each row's real tokens come
+  first (a gather: O(N) copies, no mask), or, on Gaudi, handed to FusedSDPA's own valid-length mode.
+- Several sequences in a row (`Segments`): the examples of a padding-free packed batch, or the requests of a
+  continuous-batching step, each attending only to its own keys, causally, aligned at the bottom right.
+
+Each layout comes planned in one of two ways, by `optimum.habana.transformers.batch_layout`, once per forward:
+on the host (eager on CPU or CUDA: the padding side, the sequences' bounds as Python numbers), or as tensors only
+(inside a graph, and on Gaudi, where nothing may be read to the host). Outputs at padding positions are zero.
+"""
+
+from typing import Literal, NamedTuple
+
+import torch
+
+from . import dispatch
+from .dispatch import SoftmaxMode, fused_sdpa
+
+
+# Where a prompt's padding lies: "none", one side, or "any" (not known: decided in the graph, from the mask).
+PromptPaddingSide = Literal["none", "left", "right", "any"]
+
+
+class PaddedPrompt(NamedTuple):
+    """A prompt from an empty cache with padding in its rows, run causally over the real tokens."""
+
+    real: torch.Tensor  # bool [B, q]: True at real tokens
+    lengths: torch.Tensor  # int32 [B]: real tokens per row (FusedSDPA's valid_seq_len)
+    side: PromptPaddingSide
+
+
+class Segment(NamedTuple):
+    """One sequence of a row: the batch row, then half-open ranges of its queries and keys."""
+
+    row: int
+    query_start: int
+    query_end: int
+    key_start: int
+    key_end: int
+
+
+class Segments(NamedTuple):
+    """Sequences side by side in each row. A query sees the keys of its own sequence up to its own position.
+
+    Positions count from each sequence's first key; a sequence's queries are its last keys (a prompt chunk after
+    cached tokens has more keys than queries). An id of -1 marks a query or key of no sequence (padding an engine
+    adds). `bounds` holds the same as Python numbers when the plan was made on the host.
+    """
+
+    query_ids: torch.Tensor  # long [B, q]
+    query_positions: torch.Tensor  # long [B, q]
+    key_ids: torch.Tensor  # long [B, kv]
+    key_positions: torch.Tensor  # long [B, kv]
+    bounds: tuple[Segment, ...] | None = None
+
+
+def padded_causal_sdpa(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    prompt: PaddedPrompt,
+    *,
+    scale: float | None,
+    dropout_p: float,
+    softmax_mode: SoftmaxMode,
+    recompute: bool,
+) -> torch.Tensor:
+    """Causal attention over each row's real tokens; query `[B, H, q, D]`, key/value from index 0 -> `[B, H, q, D]`.
+
+    FusedSDPA's valid-length mode serves inference on Gaudi (its `valid_seq_len` is an inference argument); elsewhere,
+    and in training, a row whose real tokens do not come first is permuted so that they do.
+    """
+    q_len = query.shape[2]
+    key, value = key[:, :, :q_len], value[:, :, :q_len]  # a static cache's unused slots lie past the prompt
+    inference = not (query.requires_grad or key.requires_grad or value.requires_grad)
+    valid_lengths = prompt.lengths if dispatch.on_hpu(query) and inference and prompt.side != "none" else None
+    options = {
+        "is_causal": True,
+        "scale": scale,
+        "dropout_p": dropout_p,
+        "softmax_mode": softmax_mode,
+        "recompute": recompute,
+    }
+    if prompt.side in ("none", "right") or (prompt.side == "left" and valid_lengths is not None):
+        side = "right" if prompt.side == "right" else "left"
+        output = fused_sdpa(
+            query, key, value, None, valid_sequence_lengths=valid_lengths, padding_side=side, **options
+        )
+    else:
+        order = torch.argsort((~prompt.real).to(torch.int32), dim=-1, stable=True)  # real tokens first, in order
+        restore = torch.argsort(order, dim=-1)
+        output = fused_sdpa(
+            _gather_positions(query, order),
+            _gather_positions(key, order),
+            _gather_positions(value, order),
+            None,
+            valid_sequence_lengths=valid_lengths,
+            padding_side="right",
+            **options,
+        )
+        output = _gather_positions(output, restore)
+    if prompt.side == "none":
+        return output
+    return output.masked_fill(~prompt.real[:, None, :, None], 0.0)
+
+
+def segmented_sdpa(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    segments: Segments,
+    *,
+    scale: float | None,
+    dropout_p: float,
+    fast_softmax: bool,
+    recompute: bool,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """Each sequence's queries over its own keys; query `[B, H, q, D]`, key/value `[B, Hkv, kv, D]` -> `[B, H, q, D]`.
+
+    Planned on the host: one exact call per sequence (the only O(N)-memory option with a backward pass on every
+    device). Otherwise one call per layer, the same for every packing: FlexAttention with a block mask where it runs
+    (compiled, inference, off Gaudi), else the fused kernel with the sequences' mask.
+    """
+    if segments.bounds is not None:
+        return fused_attention_per_segment(
+            query,
+            key,
+            value,
+            segments.bounds,
+            scale=scale,
+            dropout_p=dropout_p,
+            fast_softmax=fast_softmax,
+            recompute=recompute,
+            sliding_window=sliding_window,
+        )
+    if flex_attention_applies(query, key, value):
+        output = flex_sdpa(query, key, value, segments, scale=scale, sliding_window=sliding_window)
+    else:
+        output = fused_sdpa(
+            query,
+            key,
+            value,
+            segment_mask(segments, sliding_window),
+            is_causal=False,
+            scale=scale,
+            dropout_p=dropout_p,
+            softmax_mode="fast" if fast_softmax and query.shape[2] > 1 else "None",
+            recompute=recompute,
+        )
+    return output.masked_fill((segments.query_ids < 0)[:, None, :, None], 0.0)
+
+
+def segment_mask(segments: Segments, sliding_window: int | None = None) -> torch.Tensor:
+    """The boolean `[B, 1, q, kv]` mask of `segments` (for the default path, and kernels without FlexAttention)."""
+    query_ids, key_ids = segments.query_ids[:, :, None], segments.key_ids[:, None, :]
+    query_positions, key_positions = segments.query_positions[:, :, None], segments.key_positions[:, None, :]
+    allowed = (query_ids == key_ids) & (query_ids >= 0) & (key_positions <= query_positions)
+    if sliding_window is not None:
+        allowed &= key_positions > query_positions - sliding_window
+    return allowed[:, None]
+
+
+def flex_attention_applies(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
+    """FlexAttention runs fused only when compiled, has no Gaudi kernel, and no backward pass on CPU."""
+    if not torch.compiler.is_compiling() or dispatch.on_hpu(query):
+        return False
+    needs_grad = query.requires_grad or key.requires_grad or value.requires_grad
+    return not (needs_grad and query.device.type == "cpu")
+
+
+def flex_sdpa(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    segments: Segments,
+    *,
+    scale: float | None,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    """One FlexAttention call whose block mask is built from the sequences' ids: block-sparse, O(N) memory."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    query_ids, query_positions = segments.query_ids, segments.query_positions
+    key_ids, key_positions = segments.key_ids, segments.key_positions
+
+    def same_sequence_causal(batch, head, query_index, key_index):
+        query_id, query_position = query_ids[batch, query_index], query_positions[batch, query_index]
+        key_position = key_positions[batch, key_index]
+        allowed = (query_id == key_ids[batch, key_index]) & (query_id >= 0) & (key_position <= query_position)
+        if sliding_window is not None:
+            allowed &= key_position > query_position - sliding_window
+        return allowed
+
+    block_mask = create_block_mask(
+        same_sequence_causal, query.shape[0], None, query.shape[2], key.shape[2], device=query.device
+    )
+    return flex_attention(
+        query, key, value, block_mask=block_mask, scale=scale, enable_gqa=key.shape[1] != query.shape[1]
+    )
+
+
+def windowed_causal_mask(
+    query_length: int, key_length: int, sliding_window: int | None, device: torch.device
+) -> torch.Tensor:
+    """Boolean `[q, kv]`: query i sits at position kv - q + i and sees the keys up to it, within the window."""
+    query_positions = torch.arange(key_length - query_length, key_length, device=device)[:, None]
+    key_positions = torch.arange(key_length, device=device)[None, :]
+    allowed = key_positions <= query_positions
+    if sliding_window is not None:
+        allowed &= key_positions > query_positions - sliding_window
+    return allowed
+
+
+def fused_attention_per_segment(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    bounds: tuple[Segment, ...],
+    *,
+    scale: float | None,
+    dropout_p: float,
+    fast_softmax: bool,
+    recompute: bool,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """One fused call per segment (bounds are Python numbers: nothing is read from the device); queries in no segment
+    get zeros. The kernels take no window and no bottom-right alignment, so a segment that needs either reads its own
+    `[q, kv]` mask; every other segment runs with `is_causal` (or no mask for a single query)."""
+    output = query.new_zeros(*query.shape[:3], value.shape[-1])
+    for row, query_start, query_end, key_start, key_end in bounds:
+        query_length, key_length = query_end - query_start, key_end - key_start
+        windowed = sliding_window is not None and key_length > sliding_window
+        needs_mask = windowed or 1 < query_length < key_length
+        output[row, :, query_start:query_end] = fused_sdpa(
+            query[row : row + 1, :, query_start:query_end],
+            key[row : row + 1, :, key_start:key_end],
+            value[row : row + 1, :, key_start:key_end],
+            windowed_causal_mask(query_length, key_length, sliding_window, query.device) if needs_mask else None,
+            is_causal=query_length > 1 and not needs_mask,
+            scale=scale,
+            dropout_p=dropout_p,
+            softmax_mode="fast" if fast_softmax and query_length > 1 else "None",
+            recompute=recompute,
+        )[0]
+    return output
+
+
+def _gather_positions(tensor: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """`tensor[b, h, index[b, i]]` for `[B, H, N, D]` tensors and a `[B, N]` index."""
+    return tensor.gather(2, index[:, None, :, None].expand(-1, tensor.shape[1], -1, tensor.shape[3]))
+
+
+__all__ = [
+    "PaddedPrompt",
+    "PromptPaddingSide",
+    "Segment",
+    "Segments",
+    "fused_attention_per_segment",
+    "padded_causal_sdpa",
+    "segment_mask",
+    "segmented_sdpa",
+    "windowed_causal_mask",
+]

@@ -1,0 +1,260 @@
+"""What a Gaudi model's decoder decides about its batch once per forward, before the layers run.
+
+Three layouts reach the fused kernel without transformers' dense mask (`optimum.habana.kernels.variable_length`):
+
+- a padded prompt from an empty cache, with the flag (`PaddedPrompt`): causal over each row's real tokens;
+- a padding-free packed batch (`Segments`): examples side by side in a row, position ids restarting at each one
+  (transformers' `DataCollatorWithFlattening`, TRL's `padding_free`); each attends to itself alone;
+- a continuous-batching step without the engine's mask (`Segments`): the requests of one step side by side.
+
+Every plan is made before the layers, so that no layer reads a tensor on the host. Where reading is allowed (eager
+on CPU or CUDA, `host_reads_allowed`), one read per forward makes the plan exact and cheap: where the padding lies,
+or the sequences' bounds as Python numbers. Inside a graph (torch.compile, CUDA-graph capture) and on Gaudi, nothing
+is read: the plan is tensors whose shapes do not depend on the data, so one graph serves every batch of the same
+shapes. A caller that knows the padding says so with the forward argument `padding_side` (generate() reads it once
+per call, before the graphed forwards, as Optimum-Habana computes its valid lengths before its HPU graphs). On Gaudi,
+transformers' own masks are built here too, without their shortcuts, which read the mask on the host.
+"""
+
+from typing import Any
+
+import torch
+from transformers import PreTrainedConfig
+from transformers.masking_utils import (
+    LAYER_PATTERN_TO_MASK_FUNCTION_MAPPING,
+    create_causal_mask,
+    create_sliding_window_causal_mask,
+)
+from transformers.utils.import_utils import is_tracing
+
+from ..kernels.dispatch import host_reads_allowed, needs_padding_mask
+from ..kernels.variable_length import PaddedPrompt, PromptPaddingSide, Segment, Segments
+
+
+PADDING_SIDES = ("none", "left", "right", "any")
+
+
+def plan_batch_layout(config: PreTrainedConfig, kwargs: dict[str, Any], dtype: torch.dtype) -> dict[str, Any]:
+    """The decoder keyword arguments that carry the plan (`padded_prompt`, `segments`, `segment_bounds`), and the
+    attention mask that replaces the 2-D one where transformers must build none: a `[B, 1, 1, kv]` boolean mask of
+    the real keys, which transformers passes through unchanged (it is 4-D) and the layers ignore for the plan.
+
+    `kwargs` are the decoder's keyword arguments with the flags already resolved; `dtype` is the model's.
+    """
+    plan = _plan(config, kwargs)
+    attention_mask = plan.get("attention_mask", kwargs.get("attention_mask"))
+    if is_padding_mask(attention_mask) and not is_tracing(attention_mask) and not host_reads_allowed(attention_mask):
+        # On Gaudi, eager: transformers' mask shortcuts read the mask on the host (is it all ones?); build the masks
+        # without them, before the layers, so that an HPU graph records no read.
+        plan["attention_mask"] = masks_without_shortcuts(config, kwargs, dtype)
+    return plan
+
+
+def _plan(config: PreTrainedConfig, kwargs: dict[str, Any]) -> dict[str, Any]:
+    side = kwargs.pop("padding_side", None)
+    if side is not None and side not in PADDING_SIDES:
+        raise ValueError(f"`padding_side` must be one of {', '.join(map(repr, PADDING_SIDES))}, got {side!r}.")
+    input_ids, inputs_embeds = kwargs.get("input_ids"), kwargs.get("inputs_embeds")
+    tokens = input_ids if input_ids is not None else inputs_embeds
+    if tokens is None or tokens.dim() < 2:
+        return {}
+    attention_mask, cache = kwargs.get("attention_mask"), kwargs.get("past_key_values")
+    if kwargs.get("cache") is not None:  # a continuous-batching step: the engine's paged cache
+        if kwargs["use_flash_attention"] and attention_mask is None and host_reads_allowed(tokens):
+            return {"segment_bounds": paged_bounds(kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k"))}
+        return {}
+    if attention_mask is None and cache is None and tokens.shape[1] > 1 and can_run_packed(config):
+        segments = packed_segments(kwargs.get("position_ids"), kwargs.get("cu_seq_lens_q"), tokens)
+        if segments is not None:
+            placeholder = torch.ones(tokens.shape[0], 1, 1, tokens.shape[1], dtype=torch.bool, device=tokens.device)
+            return {"segments": segments, "attention_mask": placeholder}
+        return {}
+    if not kwargs["use_flash_attention"] or not is_empty_cache_prompt(attention_mask, tokens.shape[1]):
+        return {}
+    causal_mask_mode = kwargs["flash_attention_causal_mask"]
+    mask_free = padding_mask_is_all_it_needs(config) and not needs_padding_mask(tokens, causal_mask_mode)
+    if not (mask_free or causal_mask_mode):
+        return {}
+    prompt = padded_prompt(attention_mask, side)
+    if mask_free:  # transformers builds no mask: every layer runs the prompt causally over its real tokens
+        return {"padded_prompt": prompt, "attention_mask": prompt.real[:, None, None, :]}
+    return {"padded_prompt": prompt}  # windowed layers still read transformers' mask where the window is shorter
+
+
+def is_empty_cache_prompt(attention_mask: Any, q_len: int) -> bool:
+    """A prompt from an empty cache with a 2-D padding mask: the mask covers the new tokens only (transformers'
+    masks cover the cached tokens too), so nothing is cached before them; no cache is read to know it."""
+    return is_padding_mask(attention_mask) and attention_mask.shape[1] == q_len
+
+
+def is_padding_mask(attention_mask: Any) -> bool:
+    """A 2-D padding mask (transformers' masks are 4-D, or dicts of them by layer type)."""
+    return isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2
+
+
+def masks_without_shortcuts(config: PreTrainedConfig, kwargs: dict[str, Any], dtype: torch.dtype) -> Any:
+    """transformers' 4-D masks for the decoder's 2-D padding mask, keyed by layer type as the family reads them,
+    built without the shortcuts that skip a mask of all ones (each shortcut reads the mask on the host)."""
+    input_ids, inputs_embeds = kwargs.get("input_ids"), kwargs.get("inputs_embeds")
+    if inputs_embeds is None:  # the mask functions read the batch size, length, dtype and device only
+        inputs_embeds = input_ids.new_empty((*input_ids.shape[:2], 0), dtype=dtype)
+    arguments = {
+        "config": config,
+        "inputs_embeds": inputs_embeds,
+        "attention_mask": kwargs["attention_mask"],
+        "past_key_values": kwargs.get("past_key_values"),
+        "position_ids": kwargs.get("position_ids"),
+        "allow_is_causal_skip": False,
+    }
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        return {kind: LAYER_PATTERN_TO_MASK_FUNCTION_MAPPING[kind](**arguments) for kind in set(layer_types)}
+    if getattr(config, "sliding_window", None) is not None:
+        return create_sliding_window_causal_mask(**arguments)
+    return create_causal_mask(**arguments)
+
+
+def padded_prompt(attention_mask: torch.Tensor, side: PromptPaddingSide | None = None) -> PaddedPrompt:
+    """The prompt's real tokens and their count per row; the side as given, else read once, else "any"."""
+    real = attention_mask.bool()
+    lengths = real.sum(dim=-1, dtype=torch.int32)  # int32: FusedSDPA requires it, and compiled code keeps it
+    if side is None:
+        side = padding_side_of(real) if host_reads_allowed(real) else "any"
+    return PaddedPrompt(real, lengths, side)
+
+
+def padding_side_of(attention_mask: torch.Tensor) -> PromptPaddingSide:
+    """Where a 2-D padding mask's padding lies: "none", "left", "right" or "any" (in the middle, or mixed). One
+    host read."""
+    real = attention_mask.bool()
+    q_len = real.shape[1]
+    positions = torch.arange(q_len, device=real.device)
+    lengths = real.sum(dim=-1, keepdim=True)
+    left = (real == (positions >= q_len - lengths)).all()
+    right = (real == (positions < lengths)).all()
+    no_padding, is_left, is_right = torch.stack([real.all(), left, right]).tolist()
+    if no_padding:
+        return "none"
+    return "left" if is_left else "right" if is_right else "any"
+
+
+def padding_mask_is_all_it_needs(config: PreTrainedConfig) -> bool:
+    """Whether every layer's mask is causal plus padding: no sliding window, no bidirectional or chunked layers."""
+    if not getattr(config, "is_causal", True) or getattr(config, "attention_chunk_size", None):
+        return False
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        return all(layer_type == "full_attention" for layer_type in layer_types)
+    return getattr(config, "sliding_window", None) is None
+
+
+def can_run_packed(config: PreTrainedConfig) -> bool:
+    """Whether every layer's mask is causal, optionally windowed: what the packed attention reproduces per example."""
+    if not getattr(config, "is_causal", True) or getattr(config, "attention_chunk_size", None):
+        return False
+    layer_types = getattr(config, "layer_types", None) or ()
+    return set(layer_types) <= {"full_attention", "sliding_attention"}
+
+
+def packed_segments(
+    position_ids: torch.Tensor | None, cu_seq_lens_q: torch.Tensor | None, tokens: torch.Tensor
+) -> Segments | None:
+    """The examples of a padding-free packed batch, or None when the batch is not packed.
+
+    Packed means no attention mask, no cache given (one the model builds itself is empty), and FlashAttention's
+    `cu_seq_lens_q` (one row) or position ids that restart inside a row. On the host
+    that is read once, and a batch whose position ids never restart is not packed; inside a graph any position ids
+    are taken as a packing (one that never restarts is one example per row, which is the causal attention itself).
+    """
+    batch, length = tokens.shape[:2]
+    positions = torch.arange(length, device=tokens.device)
+    if isinstance(cu_seq_lens_q, torch.Tensor) and batch == 1:
+        boundaries = cu_seq_lens_q.to(device=tokens.device, dtype=torch.long)
+        ids = torch.searchsorted(boundaries[1:], positions, right=True)[None]
+        starts = boundaries[ids.clamp(max=boundaries.shape[0] - 1)]
+    elif isinstance(position_ids, torch.Tensor):
+        restarts = torch.diff(position_ids.to(tokens.device).expand(batch, -1), dim=-1) != 1
+        first = torch.ones(batch, 1, dtype=torch.bool, device=tokens.device)
+        restarts = torch.cat([first, restarts], dim=-1)  # True where an example starts
+        ids = restarts.cumsum(dim=-1) - 1
+        starts = torch.cummax(torch.where(restarts, positions, 0), dim=-1).values
+    else:
+        return None
+    example_positions = positions - starts
+    bounds = None
+    if host_reads_allowed(tokens):
+        rows = ids.tolist()
+        if all(row[-1] == 0 for row in rows):
+            return None  # one example per row: not packed
+        bounds = _bounds_of(rows)
+    return Segments(ids, example_positions, ids, example_positions, bounds)
+
+
+def _bounds_of(rows: list[list[int]]) -> tuple[Segment, ...]:
+    segments = []
+    for row, ids in enumerate(rows):
+        start = 0
+        for index in range(1, len(ids) + 1):
+            if index == len(ids) or ids[index] != ids[start]:
+                segments.append(Segment(row, start, index, start, index))
+                start = index
+    return tuple(segments)
+
+
+def paged_bounds(cu_seq_lens_q: Any, cu_seq_lens_k: Any) -> tuple[Segment, ...] | None:
+    """A continuous-batching step's sequences as Python numbers, from one read of the engine's boundaries."""
+    if isinstance(cu_seq_lens_k, dict):  # by layer type; the mask-free step has full-attention layers only
+        cu_seq_lens_k = cu_seq_lens_k.get("full_attention")
+    if not isinstance(cu_seq_lens_q, torch.Tensor) or not isinstance(cu_seq_lens_k, torch.Tensor):
+        return None
+    count = cu_seq_lens_q.shape[0]
+    if cu_seq_lens_k.shape[0] != count:
+        return None
+    both = torch.cat([cu_seq_lens_q, cu_seq_lens_k.to(cu_seq_lens_q.device)]).tolist()
+    queries, keys = both[:count], both[count:]
+    return tuple(
+        Segment(0, queries[index], queries[index + 1], keys[index], keys[index + 1])
+        for index in range(count - 1)
+        if queries[index + 1] > queries[index]
+    )
+
+
+def paged_segments(
+    cu_seq_lens_q: torch.Tensor, cu_seq_lens_k: torch.Tensor, query_length: int, key_length: int
+) -> Segments:
+    """A continuous-batching step's sequences as tensors (inside a graph): queries and keys past the last boundary
+    (the engine pads its inputs to fixed sizes for graphs) belong to no sequence."""
+    query_ids, query_offsets = _sequence_of(cu_seq_lens_q, query_length)
+    key_ids, key_positions = _sequence_of(cu_seq_lens_k, key_length)
+    sequence = query_ids.clamp(min=0)
+    query_counts = cu_seq_lens_q[1:] - cu_seq_lens_q[:-1]
+    key_counts = cu_seq_lens_k[1:] - cu_seq_lens_k[:-1]
+    # A sequence's queries are its last keys: the cached tokens come first.
+    query_positions = query_offsets + (key_counts - query_counts).to(torch.long)[sequence]
+    return Segments(query_ids[None], query_positions[None], key_ids[None], key_positions[None])
+
+
+def _sequence_of(boundaries: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """For each of `length` packed tokens: its sequence (-1 past the last boundary) and its offset in it."""
+    boundaries = boundaries.to(torch.long)
+    positions = torch.arange(length, device=boundaries.device)
+    ids = torch.searchsorted(boundaries[1:], positions, right=True)
+    last = boundaries.shape[0] - 1
+    offsets = positions - boundaries[ids.clamp(max=last - 1)]
+    return torch.where(ids < last, ids, -1), offsets
+
+
+__all__ = [
+    "PADDING_SIDES",
+    "can_run_packed",
+    "is_empty_cache_prompt",
+    "is_padding_mask",
+    "masks_without_shortcuts",
+    "packed_segments",
+    "padded_prompt",
+    "padding_mask_is_all_it_needs",
+    "padding_side_of",
+    "paged_bounds",
+    "paged_segments",
+    "plan_batch_layout",
+]
