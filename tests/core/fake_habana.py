@@ -3,6 +3,9 @@
 It enforces FusedSDPA's contract (see shared notes: argument order and types per Gaudi software version,
 valid_seq_len only with is_causal and no mask, int32 lengths, k/v with their own head count), records every call,
 and computes the reference math on the CPU so that generation through it can be compared with the default path.
+Its `wrap_in_hpu_graph` holds the HPU path to Gaudi's graph contract: a host read while a graph is recorded or
+replayed fails the call (`optimum.habana.utils.graph_capture.HostReads`), and graphs are keyed by input signature as
+Habana's own cache keys them (tensors by shape, other values by hash).
 """
 
 import contextlib
@@ -12,6 +15,8 @@ import types
 from dataclasses import dataclass, field
 
 import torch
+
+from optimum.habana.utils.graph_capture import HostReads
 
 
 SIGNATURES = {
@@ -46,6 +51,18 @@ class FakeHabana:
     version: str
     calls: list[KernelCall] = field(default_factory=list)
     recompute_context: list[bool] = field(default_factory=list)
+    graphs: dict = field(default_factory=dict)  # input hash -> replays, of every wrap_in_hpu_graph
+
+
+def input_hash(value) -> int:
+    """How HPU graphs key their cache: tensors by shape, other values by their own hash."""
+    if isinstance(value, dict):
+        return input_hash(tuple(value.items()))
+    if isinstance(value, (list, tuple)):
+        return hash(tuple(input_hash(item) for item in value))
+    if isinstance(value, torch.Tensor):
+        return hash((tuple(value.shape), value.dtype))
+    return hash(value)
 
 
 def reference_sdpa(query, key, value, attn_mask, is_causal, scale, valid_seq_len, seq_padding_type):
@@ -135,6 +152,20 @@ def install(monkeypatch, version: str = "1.18") -> FakeHabana:
         finally:
             state.recompute_context.pop()
 
+    def wrap_in_hpu_graph(module, max_graphs=None, **options):
+        """Record a graph per input signature and replay it. A recorded graph holds the launches only: a host read
+        while recording (or replaying: nothing runs Python then) fails the call, as it breaks the real contract."""
+        eager_forward = module.forward
+
+        def forward(*args, **kwargs):
+            key = input_hash((args, kwargs))
+            state.graphs[key] = state.graphs.get(key, -1) + 1
+            with HostReads(forbid=True, what="an HPU graph (wrap_in_hpu_graph)"):
+                return eager_forward(*args, **kwargs)
+
+        module.forward = forward
+        return module
+
     root = types.ModuleType("habana_frameworks")
     torch_module = types.ModuleType("habana_frameworks.torch")
     hpex = types.ModuleType("habana_frameworks.torch.hpex")
@@ -142,6 +173,7 @@ def install(monkeypatch, version: str = "1.18") -> FakeHabana:
     hpu = types.ModuleType("habana_frameworks.torch.hpu")
     kernels.FusedSDPA = FusedSDPA
     hpu.sdp_kernel = sdp_kernel
+    hpu.wrap_in_hpu_graph = wrap_in_hpu_graph
     hpu.is_available = lambda: True
     root.torch, torch_module.hpex, torch_module.hpu, hpex.kernels = torch_module, hpex, hpu, kernels
     for module in (root, torch_module, hpex, kernels, hpu):

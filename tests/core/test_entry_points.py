@@ -19,6 +19,7 @@ from tests.helpers import (
     build_pair,
     count_attention_paths,
     left_padded_batch,
+    spy_on_fused_kernel,
     tiny_config,
     tiny_llama_config,
 )
@@ -217,3 +218,22 @@ def test_compiled_fullgraph_forward_of_a_soft_capping_family_with_the_flag():
     inputs = left_padded_batch([6])
     with torch.no_grad():
         torch.testing.assert_close(compiled(**inputs).logits, ours(**inputs).logits)
+
+
+def test_the_decoder_called_with_one_flag_takes_the_others_from_the_model(monkeypatch):
+    """`model.model(ids, use_flash_attention=True)`: the flag given, recompute from the model's defaults."""
+    model = GaudiLlamaForCausalLM(tiny_llama_config()).eval()
+    model.generation_config.flash_attention_recompute = True  # a companion without the flag: off until turned on
+    seen = []
+
+    def spy(fused_sdpa):
+        def recording(*args, **kwargs):
+            seen.append(kwargs["recompute"])
+            return fused_sdpa(*args, **kwargs)
+
+        return recording
+
+    spy_on_fused_kernel(monkeypatch, spy)
+    with torch.no_grad():
+        model.model(torch.randint(3, 256, (1, 6)), use_flash_attention=True)
+    assert seen == [True] * LAYERS

@@ -182,3 +182,25 @@ def test_hpu_tensors_without_the_gaudi_software_fall_back_with_one_warning(model
         tokens = greedy(model, inputs, use_flash_attention=True)
     assert len(record) == 1
     assert torch.equal(tokens, expected)
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [{"use_flash_attention": True}, {"use_flash_attention": True, "flash_attention_causal_mask": True}, {}],
+    ids=["mask", "causal-mask mode", "default path"],
+)
+@pytest.mark.parametrize("cache_implementation", ["static", None])
+@pytest.mark.parametrize("prompt_in_graph", [True, False], ids=["prompt and decode", "decode only"])
+def test_hpu_graphs_record_no_host_read(model, monkeypatch, flags, cache_implementation, prompt_in_graph):
+    """Gaudi's graph contract: a forward recorded into an HPU graph reads nothing on the host (the double fails the
+    call at the first read). With a static cache, one graph serves the prompt and one every decode step."""
+    inputs = batch([9, 4, 7])
+    expected = greedy(model, inputs, cache_implementation=cache_implementation)
+    state = gaudi(monkeypatch)
+    graphed = GaudiLlamaForCausalLM(model.config).eval()
+    graphed.load_state_dict(model.state_dict())
+    graphed = hpu.wrap_in_hpu_graph(graphed, prompt_in_graph=prompt_in_graph)
+    tokens = greedy(graphed, inputs, cache_implementation=cache_implementation, **flags)
+    assert torch.equal(tokens, expected)
+    if cache_implementation == "static":
+        assert sorted(state.graphs.values()) == ([0, NEW_TOKENS - 2] if prompt_in_graph else [NEW_TOKENS - 2])
