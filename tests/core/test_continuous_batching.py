@@ -254,3 +254,28 @@ def test_long_prompts_in_chunks_next_to_decoding_requests_match_generate(monkeyp
         )
     assert by_request(outputs) == expected
     assert counts["default"] == 0 and counts["fused"] > 0
+
+
+@pytest.mark.parametrize(
+    ("model_type", "flag", "builds_mask"),
+    [("llama", True, False), ("llama", False, True), ("mistral", True, True)],
+    ids=["flag: no mask", "default path: mask", "sliding window: mask"],
+)
+def test_the_engine_builds_its_dense_mask_only_where_a_path_reads_it(model_type, flag, builds_mask, monkeypatch):
+    """The dense [1, 1, q_total, kv_total] mask per step is skipped with the flag on a model whose layers all attend
+    fully (the attention reads the step's boundaries); the default path and sliding windows read it."""
+    from transformers.generation.continuous_batching import input_outputs
+
+    ours, _ = models(model_type, **({"sliding_window": 4} if model_type == "mistral" else {}))
+    built = []
+    real = input_outputs.build_attention_mask
+    monkeypatch.setattr(input_outputs, "build_attention_mask", lambda *a, **k: built.append(1) or real(*a, **k))
+    expected = one_by_one(ours, prompts())
+    outputs = ours.generate_batch(
+        inputs=prompts(),
+        generation_config=greedy_config(use_flash_attention=flag),
+        continuous_batching_config=small_engine(),
+    )
+    assert by_request(outputs) == expected
+    assert bool(built) is builds_mask
+    assert ours.config._attn_implementation == "sdpa"  # the user's choice is back once the manager stopped

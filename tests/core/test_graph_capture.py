@@ -216,3 +216,27 @@ def test_compiled_decode_reuses_its_graph_for_other_padding():
         )
         assert torch.equal(tokens, expected)
     assert counters["stats"]["unique_graphs"] - before == 1
+
+
+def test_continuous_batching_step_compiled_by_the_engine_breaks_only_where_stock_does():
+    """transformers' engine compiles its step (`varlen_compile_config`); its paged cache's `update` is
+    `torch.compiler.disable`d, a break stock's class has too. With the flag the step adds none of its own, reads no
+    mask, and answers as generate() does."""
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    from tests.core.test_continuous_batching import by_request, greedy_config, models, one_by_one
+
+    ours, _ = models("llama")
+    requests = [torch.arange(5, 25).tolist(), [8, 9, 10], torch.arange(50, 62).tolist()]
+    expected = one_by_one(ours, requests)
+    step = CompileConfig(backend="eager", dynamic=False)
+    engine = ContinuousBatchingConfig(page_size=16, num_blocks=32, max_batch_tokens=16, varlen_compile_config=step)
+    torch._dynamo.reset()
+    counters.clear()
+    outputs = ours.generate_batch(
+        inputs=requests, generation_config=greedy_config(use_flash_attention=True), continuous_batching_config=engine
+    )
+    assert by_request(outputs) == expected
+    reasons = {reason.splitlines()[0] for reason in counters["graph_break"]}
+    assert reasons == {"Skip inlining `torch.compiler.disable()`d function"}
+    assert all("PagedAttentionCache.update" in reason for reason in counters["graph_break"])
