@@ -19,7 +19,6 @@ from collections.abc import Sequence
 
 import torch
 
-from optimum.habana import hpu
 from optimum.habana.cli.adapters import apply_peft_adapter, check_adapter_folder
 from optimum.habana.cli.common import exit_on_interrupt_or_oom, prepare_output_dir
 from optimum.habana.cli.generation import continuous_batching, multi_process
@@ -30,6 +29,7 @@ from optimum.habana.cli.generation.arguments import (
     resolve_execution,
     usage_error,
 )
+from optimum.habana.cli.generation.capture import capture, describe_compilation
 from optimum.habana.cli.generation.continuous_batching import tokenize_requests
 from optimum.habana.cli.generation.explain import explain
 from optimum.habana.cli.generation.generation_config import KVCacheSupply, build_generation_config, kv_cache_layout
@@ -51,6 +51,7 @@ from optimum.habana.cli.generation.report import (
 from optimum.habana.cli.generation.timing import benchmark, summarize_runs
 from optimum.habana.utils.devices import memory_stats, model_size_bytes, reset_peak_memory, total_memory
 from optimum.habana.utils.distributed import launch_environment
+from optimum.habana.utils.graph_capture import CompileCounter
 from optimum.habana.utils.model_loading import ModelResolutionError
 
 
@@ -112,8 +113,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"Note: prompts longer than {workload.max_input_tokens} tokens keep their last tokens.", file=sys.stderr)
     if (execution.torch_compile or execution.use_hpu_graphs) and execution.warmup == 0:
         print("Note: with --warmup 0 the compilation is part of the first measured run.", file=sys.stderr)
-    if execution.use_hpu_graphs and device.type == "hpu":
-        model = hpu.wrap_in_hpu_graph(model, prompt_in_graph=not execution.limit_hpu_graphs)
+    model = capture(model, execution, device)
     if execution.sdp_on_bf16:
         torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(True)
     if arguments.attention.attn_softmax_bf16 and arguments.attention.use_flash_attention:
@@ -135,8 +135,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{workload.max_new_tokens} new tokens. Lower --batch_size, --max_input_tokens or --max_new_tokens, or add "
         "--use_flash_attention (O(N) attention memory). No results were written."
     )
-    with exit_on_interrupt_or_oom(
-        parser.prog, on_interrupt=lambda: "no results were written.", on_out_of_memory=lambda error: out_of_memory
+    with (
+        exit_on_interrupt_or_oom(
+            parser.prog, on_interrupt=lambda: "no results were written.", on_out_of_memory=lambda error: out_of_memory
+        ),
+        CompileCounter() as compilation,
     ):
         result = benchmark(
             model,
@@ -150,6 +153,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     memory = memory_stats(device)
     model_size = model_size_bytes(model)
+    if execution.torch_compile:
+        print(describe_compilation(compilation.report), file=sys.stderr, flush=True)
 
     outputs = decode_new_tokens(tokenizer, result.output, input_length)
     compiled = execution.torch_compile or execution.use_hpu_graphs
@@ -167,6 +172,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "gguf_converted": loaded.resolved.converted,
         "warmup_seconds": result.warmup_seconds,
         "compile_seconds": result.warmup_seconds if compiled and execution.warmup > 0 else None,
+        "compiled_graphs": compilation.report.graphs if execution.torch_compile else None,
+        "graph_breaks": compilation.report.graph_breaks if execution.torch_compile else None,
         **multi_process.rank_stats(run, memory, model_size),
     }
     print(format_texts(prompts, outputs))

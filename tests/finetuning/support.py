@@ -87,10 +87,11 @@ def recording_recompute(run: Run, kernel):
     return spy
 
 
-def run_script(script, argv: list[str]) -> Run:
-    """main(argv), with every attention call counted by path and the kernel's recompute argument recorded."""
+def run_script(script, argv: list[str], profile: bool = True) -> Run:
+    """main(argv), with every attention call counted by path and the kernel's recompute argument recorded; with
+    `profile`, the ATen kernel counted too (a dispatch mode, under which torch.compile compiles nothing)."""
     run = Run(metrics={})
-    with pytest.MonkeyPatch.context() as patch, count_attention_paths(patch) as counts:
+    with pytest.MonkeyPatch.context() as patch, count_attention_paths(patch, profile=profile) as counts:
         for module in (attention, variable_length):  # padded and padding-free (packed) batches
             patch.setattr(module, "fused_sdpa", recording_recompute(run, module.fused_sdpa))
         run.metrics = script.main(argv, callbacks=[Recorder(run)])

@@ -304,3 +304,24 @@ def test_flags_survive_the_peft_wrapper(checkpoint):
             GaudiLlamaForCausalLM.from_pretrained(checkpoint),
             modeling.lora_config(rank=4, alpha=8, dropout=0.0, target_modules=["nope"]),
         )
+
+
+@pytest.mark.parametrize("batches", [[], ["--padding_free"]], ids=["padded", "padding-free packed"])
+def test_torch_compile_trains_with_the_flag_without_a_graph_break(script, checkpoint, tmp_path, batches):
+    """`--torch_compile` (Trainer compiles the model): the flag's steps trace with no graph break, same losses."""
+    from torch._dynamo.utils import counters
+
+    argv = [
+        *["--do_train", "--max_steps", "2", "--per_device_train_batch_size", "4", "--logging_steps", "1"],
+        *batches,
+    ]
+    argv += ["--learning_rate", "1e-2", "--lora_dropout", "0", "--use_flash_attention"]
+    eager = run_script(script, script_args(checkpoint, tmp_path / "eager", *argv), profile=False)
+    torch._dynamo.reset()
+    counters.clear()
+    compile_argv = [*argv, "--torch_compile", "--torch_compile_backend", "eager"]
+    compiled = run_script(script, script_args(checkpoint, tmp_path / "compiled", *compile_argv), profile=False)
+    assert counters["stats"]["unique_graphs"] > 0  # it was compiled
+    assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
+    assert compiled.losses == pytest.approx(eager.losses, abs=TOLERANCE, rel=0)
+    assert compiled.counts["fused"] > 0 and compiled.counts["default"] == 0

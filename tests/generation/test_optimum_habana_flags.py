@@ -450,3 +450,10 @@ def test_explain_exits_before_loading(script, tiny_checkpoint, capsys):
     out = capsys.readouterr().out
     assert out.startswith("Explain") and "Stats:" not in out
     json.dumps(out)  # plain text
+
+
+def test_explain_says_whether_each_phase_runs_as_one_graph(tiny_checkpoint):
+    eager = explain_text(tiny_checkpoint, "--use_flash_attention")
+    assert "eager: nothing is captured" in eager
+    compiled = explain_text(tiny_checkpoint, "--use_flash_attention", "--torch_compile")
+    assert "prompt: one graph (torch.compile)" in compiled and "decode step: one graph (torch.compile)" in compiled

@@ -224,13 +224,18 @@ def test_generation_config_carries_the_workload(tiny_checkpoint):
 # Other options, end to end in this process
 
 
-def test_torch_compile_on_cpu_gives_the_same_texts(script, tiny_checkpoint, tmp_path):
-    argv = tiny_argv(tiny_checkpoint)
+@pytest.mark.parametrize("flag", [[], ["--use_flash_attention"]], ids=["default path", "flag"])
+def test_torch_compile_on_cpu_gives_the_same_texts(script, tiny_checkpoint, tmp_path, flag, capsys):
+    """The prompt (padded) and the decode step compiled, each as one graph: two graphs, no graph break."""
+    argv = tiny_argv(tiny_checkpoint, *flag)
     eager = run_in_process(script, argv, tmp_path / "eager")
-    compiled = run_in_process(script, [*argv, "--torch_compile", "--warmup", "1"], tmp_path / "compiled")
+    compile_argv = [*argv, "--torch_compile", "--torch_compile_backend", "eager", "--warmup", "1"]
+    compiled = run_in_process(script, compile_argv, tmp_path / "compiled")
     assert outputs(compiled) == outputs(eager)
     assert compiled["generation_config"]["cache_implementation"] == "static"
     assert compiled["stats"]["compile_seconds"] > 0
+    assert (compiled["stats"]["compiled_graphs"], compiled["stats"]["graph_breaks"]) == (2, 0)
+    assert "torch.compile: 2 graph(s) compiled" in capsys.readouterr().err
 
 
 def test_beam_search_sampling_and_static_shapes_run(script, tiny_checkpoint, tmp_path):

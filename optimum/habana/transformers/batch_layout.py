@@ -72,13 +72,19 @@ def _plan(config: PreTrainedConfig, kwargs: dict[str, Any]) -> dict[str, Any]:
     if not kwargs["use_flash_attention"] or not is_empty_cache_prompt(attention_mask, tokens.shape[1]):
         return {}
     causal_mask_mode = kwargs["flash_attention_causal_mask"]
-    mask_free = padding_mask_is_all_it_needs(config) and not needs_padding_mask(tokens, causal_mask_mode)
+    mask_free = prompt_runs_mask_free(config, tokens, causal_mask_mode)
     if not (mask_free or causal_mask_mode):
         return {}
     prompt = padded_prompt(attention_mask, side)
     if mask_free:  # transformers builds no mask: every layer runs the prompt causally over its real tokens
         return {"padded_prompt": prompt, "attention_mask": prompt.real[:, None, None, :]}
     return {"padded_prompt": prompt}  # windowed layers still read transformers' mask where the window is shorter
+
+
+def prompt_runs_mask_free(config: PreTrainedConfig, tokens: torch.Tensor, causal_mask_mode: bool) -> bool:
+    """Whether a padded prompt runs without transformers' mask on the fused path: every layer needs nothing but
+    causality and the padding, and the device's kernel does not read the mask (Gaudi without the causal-mask mode)."""
+    return padding_mask_is_all_it_needs(config) and not needs_padding_mask(tokens, causal_mask_mode)
 
 
 def is_empty_cache_prompt(attention_mask: Any, q_len: int) -> bool:
@@ -257,4 +263,5 @@ __all__ = [
     "paged_bounds",
     "paged_segments",
     "plan_batch_layout",
+    "prompt_runs_mask_free",
 ]

@@ -36,7 +36,7 @@ from .attention_flags import (
     pop_attention_flags,
     resolve_attention_flags,
 )
-from .batch_layout import is_padding_mask, padding_side_of
+from .batch_layout import is_padding_mask, padding_side_of, prompt_runs_mask_free
 from .cache import BucketedStaticCache
 from .continuous_batching import ChosenAttnImplementation, engine_flags, init_manager
 from .decoder_inputs import prepare_decoder_call
@@ -196,6 +196,12 @@ class GaudiAttentionMixin(GaudiGenerationMixin):
         """
         for name in GENERATION_ONLY_KWARGS:
             kwargs.pop(name, None)
+        mask_free_prompt = (
+            is_first_iteration
+            and kwargs.get("use_flash_attention")
+            and is_padding_mask(attention_mask)
+            and prompt_runs_mask_free(self.config, input_ids, bool(kwargs.get("flash_attention_causal_mask")))
+        )
         if is_first_iteration and kwargs.get("use_flash_attention") and is_padding_mask(attention_mask):
             kwargs["padding_side"] = padding_side_of(attention_mask)
         if isinstance(past_key_values, BucketedStaticCache):
@@ -204,7 +210,7 @@ class GaudiAttentionMixin(GaudiGenerationMixin):
                 prompt_embeds = inputs_embeds is not None and is_first_iteration
                 new_tokens = inputs_embeds.shape[1] if prompt_embeds else input_ids.shape[1] - past_key_values.tokens
             past_key_values.prepare_for_new_tokens(new_tokens)
-        return super().prepare_inputs_for_generation(
+        inputs = super().prepare_inputs_for_generation(
             input_ids,
             next_sequence_length=next_sequence_length,
             past_key_values=past_key_values,
@@ -213,6 +219,12 @@ class GaudiAttentionMixin(GaudiGenerationMixin):
             is_first_iteration=is_first_iteration,
             **kwargs,
         )
+        tokens = inputs.get("inputs_embeds") if inputs.get("inputs_embeds") is not None else inputs.get("input_ids")
+        if mask_free_prompt and tokens is not None and attention_mask.shape[1] == tokens.shape[1]:
+            # A static cache gets transformers' 4-D masks from generate(); the fused path plans the prompt from its
+            # 2-D mask instead (batch_layout), without the [B, 1, q, max_cache_len] one.
+            inputs["attention_mask"] = attention_mask
+        return inputs
 
     def _validate_model_kwargs(self, model_kwargs: dict[str, Any]) -> None:
         # The flags are forward arguments through `**kwargs`, which transformers' check cannot see.

@@ -4,7 +4,7 @@ Two things split a graph, or freeze a branch into it: a graph break (code torch.
 read (a tensor's value copied to the host: `.item()`, `bool(t)`, `torch.equal`, `.tolist()`), which also makes the
 device wait. `graph_report` traces a call with dynamo and says where it breaks; `HostReads` counts (or forbids) the
 reads of an eager call, per ATen operator, so that a read inside the decoder layers shows as a count that grows with
-the number of layers.
+the number of layers. `CompileCounter` counts what torch.compile built and broke while a block ran.
 """
 
 import functools
@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch._dynamo.utils import counters
 from torch.utils._python_dispatch import TorchDispatchMode
 
 
@@ -104,8 +105,24 @@ def graph_report(function: Callable, *args: Any, **kwargs: Any) -> GraphReport:
     torch._dynamo.reset()
     explanation = torch._dynamo.explain(function)(*args, **kwargs)
     reasons = [str(reason.reason) for reason in explanation.break_reasons]
-    torch._dynamo.reset()
     return GraphReport(explanation.graph_count, explanation.graph_break_count, reasons)
 
 
-__all__ = ["HOST_READ_OPERATORS", "GraphReport", "HostReadError", "HostReads", "graph_report"]
+class CompileCounter:
+    """The graphs torch.compile built, and the graph breaks it met, while the `with` block ran (dynamo's counters;
+    `report` is filled on exit)."""
+
+    def __enter__(self) -> "CompileCounter":
+        self._graphs = counters["stats"]["unique_graphs"]
+        self._breaks = Counter(counters["graph_break"])
+        self.report = GraphReport(0, 0)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        breaks = Counter(counters["graph_break"]) - self._breaks
+        self.report = GraphReport(
+            counters["stats"]["unique_graphs"] - self._graphs, sum(breaks.values()), list(breaks)
+        )
+
+
+__all__ = ["HOST_READ_OPERATORS", "CompileCounter", "GraphReport", "HostReadError", "HostReads", "graph_report"]

@@ -161,8 +161,16 @@ class ExecutionArguments:
     torch_compile: bool = field(
         default=False,
         metadata={
-            "help": "Compile the decode step with torch.compile (implies --static_shapes). The compilation happens "
-            "during the warm-up, reported as the compile time."
+            "help": "Compile the prompt's forward (one graph per prompt shape) and the decode step (one graph per "
+            "cache bucket) with torch.compile (implies --static_shapes); says how many graphs it compiled. The "
+            "compilation happens during the warm-up, reported as the compile time."
+        },
+    )
+    torch_compile_backend: str | None = field(
+        default=None,
+        metadata={
+            "help": "With --torch_compile: torch.compile's backend (default: hpu_backend on Gaudi, inductor "
+            "elsewhere; 'eager' traces the graphs without generating code)."
         },
     )
     use_hpu_graphs: bool = field(
@@ -405,7 +413,7 @@ def flag_notes(arguments: ScriptArguments, device: torch.device, dtype: torch.dt
     if execution.use_hpu_graphs and device.type != "hpu":
         notes.append(
             f"--use_hpu_graphs: HPU graphs exist on Gaudi only; on {device.type} the model runs without them "
-            "(--torch_compile captures the decode step here)."
+            "(--torch_compile captures the prompt and the decode step as graphs here)."
         )
     if execution.limit_hpu_graphs and not (execution.use_hpu_graphs and device.type == "hpu"):
         notes.append("--limit_hpu_graphs: no effect without HPU graphs (--use_hpu_graphs on a Gaudi device).")

@@ -3,7 +3,8 @@
 It reads the model's config and tokenizer (a .gguf's metadata, never its tensors), builds the model on the meta
 device (no memory, no weights) to read each attention layer's scale, window and soft-capping, tokenizes the prompts
 to know the padding, and prints for the prompt's forward and for the decode steps which path every attention call
-takes, with the kernel's arguments, the KV cache layout, and the effect of every flag here. The decisions mirror
+takes, with the kernel's arguments, the KV cache layout, whether each phase runs as one graph when the command
+captures graphs (`explain_graphs`), and the effect of every flag here. The decisions mirror
 `optimum.habana.transformers.attention` and transformers' mask skipping; tests run the same command lines and
 compare this account with the kernel calls that happen.
 """
@@ -30,6 +31,7 @@ from optimum.habana.utils.model_loading import (
 )
 
 from .arguments import ExecutionArguments, ScriptArguments, WorkloadArguments, flag_notes, resolve_execution
+from .explain_graphs import graph_accounts
 from .generation_config import kv_cache_layout
 from .prompts import check_sequence_length, prompt_pool, prompts_for_batch, render_prompts, tokenize_prompts
 
@@ -115,6 +117,8 @@ def explain(arguments: ScriptArguments) -> str:
         for group in groups:
             account = call_account(flags, group, phase, device, padding_mask_is_all_it_needs(config))
             lines.append(f"    layers {format_indices(group.indices)}: {account}")
+    lines += ["", "Graphs:"]
+    lines += [f"  {line}" for line in graph_accounts(arguments, config, inputs)]
     lines += ["", "Flags:"]
     lines += [f"  {line}" for line in flag_accounts(arguments, device, layout.kind)]
     notes = flag_notes(arguments, device, dtype)
@@ -226,30 +230,37 @@ def call_account(
             why = f" (soft-capped logits, softcap={group.softcap}: no fused kernel computes them; one warning)"
         causal = ", causal" if mask_skipped and is_prefill else ""
         return f"default path{why}: matmul-softmax, softmax in {softmax}, mask {mask}{causal}, scale {group.scaling:g}"
-    # The model's forward hands valid lengths to a prefill from an empty dynamic cache (a static one gets a 4-D
-    # mask from generate()); without the causal-mask mode only where no layer needs more than padding and the
-    # device's kernel does not read the mask (GaudiAttentionMixin.forward).
+    # The decoder plans a padded prompt from an empty cache once (batch_layout): without a mask where no layer needs
+    # more than the padding and the device's kernel does not read the mask, whatever the cache (generate() keeps the
+    # 2-D mask for it); with the causal-mask mode also elsewhere, where its 2-D mask reaches the decoder (a dynamic
+    # cache; a static one gets 4-D masks from generate()).
     no_cache_step = phase.name != "prefill"  # without a KV cache every step is a prefill from empty
     dynamic_prefill = (
         is_prefill and phase.from_empty_cache and (no_cache_step or phase.kv_lengths == (phase.q_len, phase.q_len))
     )
     mask_free = (
-        phase.padded and model_mask_free and not (device.type == "hpu" and not flags.flash_attention_causal_mask)
+        phase.padded
+        and is_prefill
+        and phase.from_empty_cache
+        and model_mask_free
+        and not (device.type == "hpu" and not flags.flash_attention_causal_mask)
     )
-    valid_lengths = dynamic_prefill and (flags.flash_attention_causal_mask or mask_free)
-    window_kept = valid_lengths and group.sliding_window is not None and phase.q_len > group.sliding_window
+    planned = mask_free or (dynamic_prefill and flags.flash_attention_causal_mask)
+    window_kept = planned and group.sliding_window is not None and phase.q_len > group.sliding_window
     if window_kept:
-        valid_lengths = False
-    if valid_lengths:
+        planned = False
+    if planned and device.type == "hpu" and phase.padded:
         arguments = "attn_mask=None, is_causal=True, valid lengths per row"
-        if mask_free:
-            arguments += " (no padding mask is built)"
-        if device.type != "hpu" and phase.padded:
-            arguments += " (left padding rotated to the right: one causal kernel call)"
-    elif mask_skipped and is_prefill:
+    elif planned and phase.padded:
+        arguments = (
+            "attn_mask=None, is_causal=True over each row's real tokens (rows permuted so that they come first)"
+        )
+    elif planned or (mask_skipped and is_prefill):
         arguments = "attn_mask=None, is_causal=True"
     else:
         arguments = f"attn_mask={mask}" + (" (additive)" if device.type == "hpu" else "") + ", is_causal=False"
+    if mask_free:
+        arguments += " (no padding mask is built)"
     softmax_mode = "fast" if flags.flash_attention_fast_softmax and is_prefill else "None"
     recompute = flags.flash_attention_recompute and is_prefill
     account = (
@@ -279,7 +290,7 @@ def flag_accounts(arguments: ScriptArguments, device: torch.device, cache_kind: 
         else "default matmul-softmax attention",
         "use_kv_cache": f"KV cache: {cache_kind}",
         "static_shapes": "static KV cache" if cache_kind in ("static", "bucketed") else "dynamic KV cache",
-        "torch_compile": "decode step compiled by generate() (static cache)"
+        "torch_compile": "prompt and decode step compiled (static cache)"
         if arguments.execution.torch_compile
         else "eager",
         "ignore_eos": "no stop at the end-of-sequence token (eos_token_id=[])"

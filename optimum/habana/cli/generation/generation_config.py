@@ -57,7 +57,7 @@ def build_generation_config(
         values["cache_implementation"] = "static"  # compiled code and recorded graphs are only reused for one shape
     config = GaudiGenerationConfig.from_dict(values)
     if execution.torch_compile:
-        config.compile_config = compile_config_for(device)
+        config.compile_config = compile_config_for(device, execution.torch_compile_backend)
     return config
 
 
@@ -132,11 +132,11 @@ class KVCacheSupply:
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, buckets)
 
 
-def compile_config_for(device: torch.device) -> CompileConfig:
+def compile_config_for(device: torch.device, backend: str | None = None) -> CompileConfig:
     """transformers compiles the decode step itself once the cache is static; on CPU and HPU only when told to."""
     if device.type == "hpu":
-        config = CompileConfig(backend="hpu_backend", mode="default")
+        config = CompileConfig(backend=backend or "hpu_backend", mode="default")
     else:
-        config = CompileConfig()
+        config = CompileConfig(backend=backend or "inductor")
     config._compile_all_devices = True  # private flag: without it generate() skips compilation on CPU and HPU
     return config

@@ -1,0 +1,65 @@
+"""`--torch_compile` and `--use_hpu_graphs`: what run_generation.py captures as graphs on this device, and how many.
+
+With `--torch_compile` the prompt's forward is compiled (one graph per prompt shape) and generate() compiles the
+decode step itself (one graph per cache bucket; the cache is static). With `--use_hpu_graphs` on Gaudi both are
+recorded as HPU graphs (the decode steps only with `--limit_hpu_graphs`). After the runs one line says how many graphs
+torch.compile built and how many graph breaks it met: a model that runs as one graph per phase has none.
+"""
+
+import functools
+from typing import Any
+
+import torch
+
+from optimum.habana import hpu
+from optimum.habana.utils.graph_capture import GraphReport
+
+from .arguments import ExecutionArguments
+
+
+def describe_compilation(report: GraphReport) -> str:
+    """The line printed after the runs of --torch_compile."""
+    breaks = "no graph break" if report.graph_breaks == 0 else f"{report.graph_breaks} graph break(s)"
+    return (
+        f"torch.compile: {report.graphs} graph(s) compiled (the prompt per input shape, the decode step per cache "
+        f"bucket), {breaks}"
+    )
+
+
+def capture(model: Any, execution: ExecutionArguments, device: torch.device) -> Any:
+    """The model as the runs call it: its prompt compiled, or recorded in HPU graphs, or as it is."""
+    if execution.use_hpu_graphs and device.type == "hpu":
+        return hpu.wrap_in_hpu_graph(model, prompt_in_graph=not execution.limit_hpu_graphs)
+    if execution.torch_compile:
+        compile_prompt(model, compile_backend(execution, device))
+    return model
+
+
+def compile_backend(execution: ExecutionArguments, device: torch.device) -> str:
+    if execution.torch_compile_backend:
+        return execution.torch_compile_backend
+    return "hpu_backend" if device.type == "hpu" else "inductor"
+
+
+def compile_prompt(model: Any, backend: str) -> None:
+    """Route the model's forwards over more than one new token (prompts) through a compiled forward.
+
+    Decode steps keep the eager forward: generate() compiles them itself, tracing through this one.
+    """
+    eager = model.forward
+    compiled = torch.compile(eager, dynamic=False, backend=backend)
+
+    @functools.wraps(eager)  # generate() reads the forward's signature
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        tokens = kwargs.get("input_ids", args[0] if args else None)
+        if tokens is None:
+            tokens = kwargs.get("inputs_embeds")
+        is_prompt = tokens is not None and tokens.shape[1] > 1
+        if is_prompt and not torch.compiler.is_compiling():
+            return compiled(*args, **kwargs)
+        return eager(*args, **kwargs)
+
+    model.forward = forward
+
+
+__all__ = ["capture", "compile_backend", "compile_prompt", "describe_compilation"]
