@@ -19,8 +19,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import LlamaForCausalLM, TrainerCallback
+from transformers import HfArgumentParser, LlamaForCausalLM, TrainerCallback, TrainingArguments
 
+from optimum.habana.cli.finetuning.arguments import ARGUMENT_CLASSES, check_arguments, parse_arguments
 from optimum.habana.utils import devices
 from optimum.habana.utils.atomic import current_umask
 from optimum.habana.utils.model_loading import CACHE_ENV_VAR
@@ -140,6 +141,18 @@ CASES = {
     "--weight_decay -inf": Case(lambda c: c.args("--weight_decay=-inf"), 2, ["--weight_decay", "-inf"]),
     "--seed -1": Case(lambda c: c.args("--seed", "-1"), 2, ["--seed", "-1", "4294967295"]),
     "--data_seed 2**32": Case(lambda c: c.args("--data_seed", str(2**32)), 2, ["--data_seed", "4294967296"]),
+    # nothing silent: step counts that train or save nothing
+    "--max_steps 0": Case(lambda c: c.args("--max_steps", "0"), 2, ["--max_steps 0 trains no step", "-1"]),
+    "--num_train_epochs 0": Case(
+        lambda c: c.args("--max_steps", "-1", "--num_train_epochs", "0"),
+        2,
+        ["--num_train_epochs 0 trains no step", "--max_steps N"],
+    ),
+    "--save_steps 0": Case(
+        lambda c: c.args("--save_strategy", "steps", "--save_steps", "0"),
+        2,
+        ["--save_steps 0 never saves a checkpoint", "--save_strategy no"],
+    ),
     # nothing silent: data
     "row without an answer": Case(
         lambda c: c.args("--train_file", c.file("d.jsonl", JSONL_ROW * 2 + '{"instruction": "Why?"}\n')),
@@ -384,6 +397,25 @@ def test_bad_input_and_faults(name, script, checkpoint, earlier_run, nan_checkpo
             assert (folder / "trainer_state.json").is_file(), f"{folder} is incomplete"
     if name == "Ctrl-C while saving a checkpoint":
         assert sorted(path.name for path in context.out.iterdir()) == ["checkpoint-1"]
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ["--max_steps", "-1", "--num_train_epochs", "0.5"],  # -1: train for the epochs, here half of one
+        ["--max_steps", "3", "--num_train_epochs", "0"],  # a positive --max_steps overrides the epochs
+        ["--save_strategy", "steps", "--save_steps", "0.5"],  # a fraction of the training's steps
+        ["--save_strategy", "no", "--save_steps", "0"],  # no checkpoint asked for: --save_steps is not read
+        ["--do_eval", "--max_steps", "0"],  # no training, so no step count to check (eval alone)
+    ],
+)
+def test_step_counts_that_mean_something_in_transformers_are_accepted(extra, tmp_path):
+    parser = HfArgumentParser((*ARGUMENT_CLASSES, TrainingArguments))
+    argv = script_args(tmp_path / "model", tmp_path / "out", *extra)
+    if "--do_eval" not in extra:
+        argv.append("--do_train")
+    args = parse_arguments(parser, argv)
+    check_arguments(args.data, args.generation, args.training)
 
 
 # --- what the refusals point to works ----------------------------------------------------------------------------
