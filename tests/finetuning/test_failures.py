@@ -21,6 +21,7 @@ import pytest
 import torch
 from transformers import HfArgumentParser, LlamaForCausalLM, TrainerCallback, TrainingArguments
 
+from optimum.habana.cli.finetuning import data as finetuning_data
 from optimum.habana.cli.finetuning.arguments import ARGUMENT_CLASSES, check_arguments, parse_arguments
 from optimum.habana.utils import devices
 from optimum.habana.utils.atomic import current_umask
@@ -203,6 +204,23 @@ CASES = {
         ),
         2,
         ["d.jsonl", "has no examples: the instruction, input, output of every row are blank"],
+    ),
+    "every response blank": Case(
+        lambda c: c.args("--train_file", c.file("d.jsonl", '{"instruction": "Name a color.", "output": ""}\n' * 4)),
+        2,
+        ["d.jsonl", "the 'output' column", "blank in every row", "--output_column_name", "instruction, output"],
+    ),
+    "every response blank in the column named by --output_column_name": Case(
+        lambda c: c.args(
+            "--train_file",
+            c.file("d.csv", "question,answer,reply\nAdd 1 and 2., ,3\nName a color.,  ,red\n"),
+            "--instruction_column_name",
+            "question",
+            "--output_column_name",
+            "answer",
+        ),
+        2,
+        ["d.csv", "the 'answer' column", "blank in every row", "(the columns: question, answer, reply)"],
     ),
     "--fsdp with an unknown option, one process": Case(
         lambda c: c.args("--fsdp", "bogus_value"),
@@ -564,6 +582,14 @@ def test_skipped_rows_are_counted(script, checkpoint, tmp_path, caplog):
     data.write_text(JSONL_ROW * 4 + '{"instruction": " ", "input": "", "output": ""}\n' * 2)
     script.main(script_args(checkpoint, tmp_path / "out3", *TRAIN.split(), "--train_file", str(data)))
     assert "skipped 2 rows whose instruction, input, output are all blank" in caplog.text
+
+
+def test_rows_with_a_blank_response_are_counted(tmp_path, caplog):
+    data = tmp_path / "d.jsonl"
+    data.write_text(JSONL_ROW * 3 + '{"instruction": "Say nothing.", "output": " "}\n')
+    dataset = finetuning_data.load_data_file(str(data), "--train_file")
+    assert dataset.num_rows == 4  # kept: the end token is still something to learn
+    assert f"--train_file {str(data)!r}: 1 of 4 rows have a blank 'output'" in caplog.text
 
 
 def test_bf16_on_a_cpu_that_emulates_it_is_said_once(script, checkpoint, tmp_path, caplog, monkeypatch):
