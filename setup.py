@@ -7,13 +7,18 @@ from setuptools import find_namespace_packages, setup
 
 
 ROOT = Path(__file__).parent
-VERSION = re.search(r'__version__ = "([^"]+)"', (ROOT / "optimum/habana/version.py").read_text()).group(1)
+VERSION_FILE = (ROOT / "optimum/habana/version.py").read_text()
+VERSION = re.search(r'__version__ = "([^"]+)"', VERSION_FILE).group(1)
+# The tested transformers range, which `import optimum.habana` checks too (optimum/habana/utils/requirements.py).
+TRANSFORMERS = re.search(r'TRANSFORMERS_REQUIREMENT = "([^"]+)"', VERSION_FILE).group(1)
 
 INSTALL_REQUIRES = [
     # 2.5 is the first release whose scaled_dot_product_attention takes `enable_gqa`.
     "torch>=2.5",
     # The attention and mask interfaces and the generate() internals we extend are pinned to the tested range.
-    "transformers>=5.23,<5.24",
+    f"transformers{TRANSFORMERS}",
+    # The import-time check of that range (transformers depends on it too).
+    "packaging>=20",
     "accelerate>=1.0",
     # Model resolution: GGUF files are converted once and cached in the user's cache folder.
     "gguf>=0.10",
@@ -28,7 +33,7 @@ EXTRAS = {
     # transformers). parameterized: transformers' own model tests (tests/transformers_suite) import it.
     "tests": ["pytest>=8", "pytest-xdist>=3", "ruff>=0.6", "filelock>=3", "trl>=1.16,<2", "parameterized>=0.9"],
     # `python -m optimum.habana.serve`: transformers' server and its dependencies (fastapi, uvicorn, openai, ...).
-    "serving": ["transformers[serving]>=5.23,<5.24"],
+    "serving": [f"transformers[serving]{TRANSFORMERS}"],
     # examples/text-generation/run_lm_eval.py: lm-evaluation-harness; 0.4.9.x (Optimum-Habana's pin) does not import
     # with transformers 5 (it reads the removed AutoModelForVision2Seq); 0.4.10, 0.4.12 and 0.4.13 pass the tests.
     "eval": ["lm_eval>=0.4.10,<0.5"],

@@ -83,7 +83,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             check_adapter_folder(arguments.model.peft_model, "--peft_model")
         device, dtype = resolve_execution(arguments)
         pool = prompt_pool(workload)
-        for note in flag_notes(arguments, device, dtype):
+        notes = flag_notes(arguments, device, dtype)
+        if execution.continuous_batching:
+            notes += filter(None, [continuous_batching.batch_size_note(len(pool), workload.batch_size)])
+        for note in notes:
             print(f"Note: {note}", file=sys.stderr)
         run = multi_process.start(arguments.parallel, device, launch)
         device = run.device
@@ -97,7 +100,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             start = time.perf_counter()
             model = apply_peft_adapter(model, arguments.model.peft_model)
             load_seconds += time.perf_counter() - start
-        prompts = prompts_for_batch(pool, workload.batch_size)
+        if execution.continuous_batching:  # every prompt a request, --batch_size of them per engine step at most
+            prompts = continuous_batching.request_prompts(pool, workload.batch_size)
+        else:
+            prompts = prompts_for_batch(pool, workload.batch_size)
         texts = render_prompts(tokenizer, prompts, workload.chat)
         inputs, prompt_lengths = tokenize_prompts(tokenizer, texts, workload.max_input_tokens, workload.chat)
         input_length = inputs["input_ids"].shape[1]
@@ -215,7 +221,11 @@ def generate_continuously(arguments, parser, model, tokenizer, requests, prompts
     """--continuous_batching: every prompt a request of one `generate_batch`, timed per request."""
     workload, execution = arguments.workload, arguments.execution
     engine = continuous_batching.engine_config(
-        [len(ids) for ids in requests], workload.max_new_tokens, execution.cb_max_batch_tokens, seed=workload.seed
+        [len(ids) for ids in requests],
+        workload.max_new_tokens,
+        execution.cb_max_batch_tokens,
+        seed=workload.seed,
+        max_requests=workload.batch_size,
     )
     reset_peak_memory(device)
     with exit_on_interrupt_or_oom(
@@ -240,6 +250,7 @@ def generate_continuously(arguments, parser, model, tokenizer, requests, prompts
             "page_size": engine.page_size,
             "num_blocks": engine.num_blocks,
             "max_batch_tokens": engine.max_batch_tokens,
+            "max_requests_per_batch": engine.max_requests_per_batch,
         },
     }
     outputs = tokenizer.batch_decode(runs[-1].generated, skip_special_tokens=True)

@@ -52,6 +52,13 @@ try:  # lm-evaluation-harness: the `eval` extra
         write_results,
     )
     from optimum.habana.cli.evaluation.lm_eval.model import LM_EVAL_MAX_GEN_TOKS, EvalOptions, GaudiEvalLM
+    from optimum.habana.cli.evaluation.lm_eval.prompt_checks import (
+        chat_template_flag,
+        check_chat_template,
+        check_num_fewshot,
+        check_num_fewshot_fits,
+        fewshot_pools,
+    )
 except ImportError as error:
     sys.exit(missing_extra("run_lm_eval.py", error, "lm_eval", "lm-evaluation-harness", "eval"))
 
@@ -83,13 +90,18 @@ def main(argv: Sequence[str] | None = None) -> int:
             check_adapter_folder(script.model.peft_model, "--peft_model")
         device, dtype = resolve_execution(script)
         selection = select_tasks(evaluation.tasks, evaluation.include_path)
-        check_task_data(selection)
-        for note in evaluation_notes(arguments, given, device, dtype):
+        pools = fewshot_pools(check_task_data(selection))
+        for note in [
+            *evaluation_notes(arguments, given, device, dtype),
+            *check_num_fewshot(evaluation.num_fewshot, pools),
+        ]:
             print(f"Note: {note}", file=sys.stderr)
         run = multi_process.start(script.parallel, device, launch)
         device = run.device
         loaded = multi_process.load_model(script.model.model_name_or_path, dtype=dtype, run=run)
         model = loaded.model
+        if chat_flag := chat_template_flag(evaluation.apply_chat_template, script.workload.chat):
+            check_chat_template(loaded.tokenizer, evaluation.apply_chat_template or True, chat_flag)
         if script.model.peft_model:
             model = apply_peft_adapter(model, script.model.peft_model)
     except (ModelResolutionError, ValueError) as error:
@@ -120,6 +132,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         max_length=script.workload.max_input_tokens if script.workload.max_input_tokens > 0 else None,
         model_info={"model_source": loaded.resolved.description, "peft_model": script.model.peft_model},
     )
+    try:
+        check_num_fewshot_fits(evaluation.num_fewshot, pools, lm.max_length)
+    except ValueError as error:
+        usage_error(parser, str(error))
     print(
         header(loaded.resolved.description, device, dtype, script.attention.use_flash_attention, lm, selection.names)
     )

@@ -2,10 +2,16 @@
 
 `supported_model_types()` lists the families with a Gaudi class; `adapt_transformers_to_gaudi()` makes
 `AutoModelForCausalLM` build them. The Gaudi software (`habana_frameworks`) is optional: it is imported the first
-time a fused kernel runs on an HPU.
+time a fused kernel runs on an HPU. The installed transformers is checked before anything imports it
+(`utils.requirements`): outside the tested range, the import stops with one line that says what to install.
 """
 
-from .transformers import (
+from .utils.requirements import check_environment
+
+
+check_environment()
+
+from .transformers import (  # noqa: E402  (after the check: a transformers outside the range fails in here)
     ATTENTION_FLAG_NAMES,
     AttentionFlags,
     GaudiAttentionMixin,
@@ -29,7 +35,7 @@ from .transformers import (
     gaudi_model_class,
     supported_model_types,
 )
-from .version import __version__
+from .version import __version__  # noqa: E402
 
 
 __all__ = [

@@ -1,7 +1,10 @@
-"""Import without the Gaudi software, and the one-warning fallback when no fused kernel can run."""
+"""Import without the Gaudi software, the one-line refusal of a transformers outside the tested range (Optimum-Habana's,
+say), and the one-warning fallback when no fused kernel can run."""
 
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -9,7 +12,9 @@ import torch
 from optimum.habana import GaudiLlamaForCausalLM
 from optimum.habana.kernels import dispatch
 from optimum.habana.transformers.attention import matmul_softmax_attention
-from tests.helpers import count_attention_paths, tiny_llama_config
+from optimum.habana.utils import requirements
+from optimum.habana.version import TRANSFORMERS_REQUIREMENT, __version__
+from tests.helpers import ROOT, count_attention_paths, tiny_llama_config
 
 
 def test_import_without_habana_frameworks_is_silent():
@@ -21,6 +26,62 @@ def test_import_without_habana_frameworks_is_silent():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
     assert result.returncode == 0, result.stderr
     assert result.stdout == "" and result.stderr == ""
+
+
+def import_beside(folder: Path, **versions: str) -> subprocess.CompletedProcess:
+    """`import optimum.habana` in a fresh interpreter that finds these distributions' metadata (name=version, e.g.
+    transformers="4.55.4") before the installed ones; prints whether transformers was imported when it fails."""
+    for name, version in versions.items():
+        info = folder / f"{name}-{version}.dist-info"
+        info.mkdir(parents=True)
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name.replace('_', '-')}\nVersion: {version}\n")
+    path = os.pathsep.join([str(folder), str(ROOT), os.environ.get("PYTHONPATH", "")])
+    code = "import sys\ntry:\n    import optimum.habana\nfinally:\n    print('transformers' in sys.modules)\n"
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": path},
+        check=False,
+    )
+
+
+REQUIRED = f"optimum.habana (optimum-gaudi-flash {__version__}) needs transformers{TRANSFORMERS_REQUIREMENT}"
+
+
+@pytest.mark.parametrize(
+    ("versions", "line"),
+    [
+        (
+            {"transformers": "4.55.4", "optimum_habana": "1.19.0"},
+            f"{REQUIRED}, but transformers 4.55.4 is installed, most likely for Optimum-Habana 1.19.0, installed in "
+            "the same environment (it pins transformers below 4.56 and uses the same import path): pip uninstall "
+            "optimum-habana optimum-gaudi-flash, then pip install optimum-gaudi-flash (both install optimum/habana, so "
+            "removing one removes files of the other).",
+        ),
+        (
+            {"transformers": "5.24.0"},
+            f"{REQUIRED}, but transformers 5.24.0 is installed: pip install 'transformers{TRANSFORMERS_REQUIREMENT}'.",
+        ),
+    ],
+    ids=["optimum-habana's transformers", "a newer transformers"],
+)
+def test_a_transformers_outside_the_range_stops_the_import_with_one_line(versions, line, tmp_path):
+    result = import_beside(tmp_path, **versions)
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines()[-1] == f"ImportError: {line}"
+    assert result.stdout == "False\n"  # refused before anything imported transformers
+
+
+def test_optimum_habana_beside_this_package_is_one_warning(monkeypatch):
+    versions = {"transformers": "5.23.0", "optimum-habana": "1.19.0"}
+    monkeypatch.setattr(requirements, "installed_version", versions.get)
+    with pytest.warns(
+        UserWarning, match=r"^Optimum-Habana 1\.19\.0 is installed beside optimum-gaudi-flash .*Keep one: pip"
+    ):
+        requirements.check_environment()
+    monkeypatch.setattr(requirements, "installed_version", {"transformers": "5.23.0"}.get)
+    requirements.check_environment()  # alone, in range: nothing to say
 
 
 def test_dropout_on_cpu_warns_once_and_runs_the_default_path(monkeypatch):

@@ -9,6 +9,10 @@ assertions.
 import contextlib
 import io
 import json
+import os
+import signal
+import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -16,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from optimum.habana.cli.evaluation.fidelity.attention import DEFAULT, call_path, reference_attention
+from optimum.habana.utils.atomic import atomic_write_text
 from tests.generation.support import save_gpt2_config
 from tests.helpers import ROOT, load_script, save_tiny_checkpoint
 
@@ -237,3 +242,142 @@ def test_ctrl_c_is_one_line_and_leaves_the_measurements_so_far_marked_incomplete
     report = json.loads((tmp_path / "results.json").read_text())
     assert report["complete"] is False and len(report["attention"]) == 1
     assert "INCOMPLETE" in (tmp_path / "results.md").read_text()
+
+
+@pytest.fixture
+def sigterm_guard():
+    """A SIGTERM handler of the test's own, so that a run which leaves SIGTERM alone is not killed with the test
+    process; the script must put it back when it ends."""
+    received = []
+
+    def guard(number, frame):
+        received.append(number)
+
+    previous = signal.signal(signal.SIGTERM, guard)
+    yield received
+    assert signal.getsignal(signal.SIGTERM) is guard  # the script put it back
+    signal.signal(signal.SIGTERM, previous)
+
+
+def stopping_grid(monkeypatch, stop: Callable[[], None], after: int = 1) -> None:
+    """measure_grid, calling `stop` once `after` measurements are recorded (before any with `after` 0)."""
+    from optimum.habana.cli.evaluation.fidelity import command
+
+    measure_grid = command.measure_grid
+
+    def grid_then_stop(grid, device, seed, add_record):
+        recorded = []
+
+        def add(record):
+            add_record(record)
+            recorded.append(record)
+            if len(recorded) == after:
+                stop()
+
+        if after == 0:
+            stop()
+        measure_grid(grid, device, seed, add)
+
+    monkeypatch.setattr(command, "measure_grid", grid_then_stop)
+
+
+def stopped_run(script, tmp_path, capsys, status: int, *extra: str) -> tuple[str, dict]:
+    """main() of the tiny attention grid into tmp_path, stopped: its exit status, last line and results.json."""
+    argv = [*TINY_GRID.split(), "--parts", "attention", "--output_dir", str(tmp_path), *extra]
+    try:
+        with pytest.raises(SystemExit) as exit_info:
+            script.main(argv)
+    except KeyboardInterrupt:  # would end the whole test session
+        pytest.fail("a Ctrl-C escaped the script: a traceback, not its one line")
+    err = capsys.readouterr().err
+    assert exit_info.value.code == status and "Traceback" not in err
+    return err.strip().splitlines()[-1], json.loads((tmp_path / "results.json").read_text())
+
+
+def send(number: int) -> Callable[[], None]:
+    return lambda: os.kill(os.getpid(), number)
+
+
+def files_of(folder: Path) -> str:
+    return f"{folder / 'results.json'}, {folder / 'results.md'}"
+
+
+def test_sigterm_is_one_line_exit_143_and_leaves_the_measurements_marked_incomplete(
+    script, tmp_path, capsys, monkeypatch, sigterm_guard
+):
+    stopping_grid(monkeypatch, send(signal.SIGTERM))
+    line, report = stopped_run(script, tmp_path, capsys, 143)
+    assert line == (
+        f"attention_fidelity.py: terminated (SIGTERM): the measurements so far are in {files_of(tmp_path)}, "
+        "marked incomplete."
+    )
+    assert report["complete"] is False and len(report["attention"]) == 1 and not sigterm_guard
+    assert "INCOMPLETE" in (tmp_path / "results.md").read_text()
+
+
+def test_an_earlier_complete_run_never_stands_for_one_stopped_before_its_first_measurement(
+    script, tmp_path, capsys, monkeypatch, sigterm_guard
+):
+    (tmp_path / "results.json").write_text(json.dumps({"complete": True, "attention": [{"earlier": 1}]}))
+    (tmp_path / "results.md").write_text("# Attention fidelity (earlier, complete)\n")
+    stopping_grid(monkeypatch, send(signal.SIGTERM), after=0)
+    line, report = stopped_run(script, tmp_path, capsys, 143, "--overwrite")
+    assert report["complete"] is False and report["attention"] == [] and not sigterm_guard
+    assert "INCOMPLETE" in (tmp_path / "results.md").read_text()
+    assert line.endswith(f"the measurements so far are in {files_of(tmp_path)}, marked incomplete.")
+
+
+class CtrlCWhileWriting:
+    """sys.stderr, sending a second Ctrl-C while the script writes its interrupted line."""
+
+    def __init__(self, stream) -> None:
+        self.stream = stream
+
+    def write(self, text: str) -> int:
+        if "interrupted:" in text:
+            os.kill(os.getpid(), signal.SIGINT)
+        return self.stream.write(text)
+
+    def __getattr__(self, name: str):
+        return getattr(self.stream, name)
+
+
+def test_a_second_ctrl_c_during_the_handler_still_ends_in_the_one_line(script, tmp_path, capsys, monkeypatch):
+    from optimum.habana.cli.evaluation.fidelity import command, report
+
+    stopped = []
+
+    def results_json_only(output_dir, results):  # Ctrl-C between the two files, once: results.md lags behind
+        if results.get("attention") and not stopped:
+            stopped.append(True)
+            atomic_write_text(output_dir / "results.json", json.dumps(results))
+            raise KeyboardInterrupt
+        return report.write_report(output_dir, results)
+
+    monkeypatch.setattr(command, "write_report", results_json_only)
+    monkeypatch.setattr(sys, "stderr", CtrlCWhileWriting(sys.stderr))
+    line, results = stopped_run(script, tmp_path, capsys, 130)
+    assert line == (
+        f"attention_fidelity.py: interrupted: the measurements so far are in {files_of(tmp_path)}, marked incomplete."
+    )
+    assert results["complete"] is False and len(results["attention"]) == 1
+    assert (tmp_path / "results.md").read_text() == report.markdown(results)  # written again, with the measurement
+
+
+def test_a_signal_during_the_final_write_waits_until_both_files_say_complete(
+    script, tmp_path, capsys, monkeypatch, sigterm_guard
+):
+    from optimum.habana.cli.evaluation.fidelity import command, report
+
+    def signalled_when_complete(output_dir, results):
+        if results["complete"]:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return report.write_report(output_dir, results)
+
+    monkeypatch.setattr(command, "write_report", signalled_when_complete)
+    line, results = stopped_run(script, tmp_path, capsys, 143)
+    assert line == (
+        f"attention_fidelity.py: terminated (SIGTERM): the run had finished: the complete results are in "
+        f"{files_of(tmp_path)}."
+    )
+    assert results["complete"] is True and "INCOMPLETE" not in (tmp_path / "results.md").read_text()

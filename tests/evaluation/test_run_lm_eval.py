@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import AutoTokenizer
 
 from optimum.habana.cli.evaluation.lm_eval.arguments import (
     ACTING,
@@ -23,7 +24,14 @@ from optimum.habana.cli.evaluation.lm_eval.arguments import (
     evaluation_notes,
     parse_arguments,
 )
-from optimum.habana.cli.evaluation.lm_eval.harness import SHIPPED_TASKS_DIR, score_rows
+from optimum.habana.cli.evaluation.lm_eval.harness import SHIPPED_TASKS_DIR, check_task_data, score_rows, select_tasks
+from optimum.habana.cli.evaluation.lm_eval.prompt_checks import (
+    FewshotPool,
+    check_chat_template,
+    check_num_fewshot,
+    check_num_fewshot_fits,
+    fewshot_pools,
+)
 from optimum.habana.cli.evaluation.lm_eval.tasks.flash_mc import flash_mc_items
 from optimum.habana.transformers import attention
 from optimum.habana.utils.model_loading import CACHE_ENV_VAR
@@ -332,3 +340,85 @@ def test_without_lm_eval_the_script_says_which_extra_to_install(missing, words, 
     assert isinstance(message, str) and "\n" not in message
     assert message.startswith(f"run_lm_eval.py: error: {words}")
     assert message.endswith("pip install 'optimum-gaudi-flash[eval]' (make install includes it).")
+
+
+@pytest.fixture(scope="module")
+def tiny_without_chat_template(tmp_path_factory) -> Path:
+    return save_tiny_checkpoint(tmp_path_factory.mktemp("tiny_llama_no_chat"), chat_template=False)
+
+
+def refused_before_evaluating(script, argv, capsys, monkeypatch) -> str:
+    """main(argv) exits 2 with one line, and lm-eval never starts; returns the line."""
+
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("the evaluation started")
+
+    monkeypatch.setattr(script.evaluator, "simple_evaluate", must_not_run)
+    with pytest.raises(SystemExit) as raised:
+        script.main(argv)
+    error = capsys.readouterr().err
+    assert raised.value.code == 2 and "Traceback" not in error
+    return error.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("flag", ["--apply_chat_template", "--chat"])
+def test_a_chat_template_asked_of_a_tokenizer_without_one_is_one_line(
+    flag, script, tiny_without_chat_template, tmp_path, capsys, monkeypatch
+):
+    argv = ["--tasks", "flash_mc", "-L", "2", "--model_name_or_path", str(tiny_without_chat_template), flag]
+    line = refused_before_evaluating(script, [*argv, "-o", str(tmp_path / "out.json")], capsys, monkeypatch)
+    assert line == (
+        f"run_lm_eval.py: error: {flag}: the model's tokenizer has no chat template. Drop {flag} to evaluate the "
+        "tasks' prompts as they are, or evaluate a chat model (one whose tokenizer_config.json or "
+        "chat_template.jinja holds a template)."
+    )
+    assert not (tmp_path / "out.json").exists()
+
+
+def test_a_chat_template_name_must_be_one_of_the_tokenizers(tiny):
+    tokenizer = AutoTokenizer.from_pretrained(tiny)
+    check_chat_template(tokenizer, True, "--apply_chat_template")  # its one template
+    tokenizer.chat_template = {"default": tokenizer.chat_template, "tool_use": tokenizer.chat_template}
+    check_chat_template(tokenizer, "tool_use", "--apply_chat_template")
+    with pytest.raises(ValueError, match=r"--apply_chat_template chatml: .* its templates: default, tool_use\."):
+        check_chat_template(tokenizer, "chatml", "--apply_chat_template")
+    tokenizer.chat_template = {"tool_use": "{{ messages }}"}
+    with pytest.raises(ValueError, match="none named 'default': name one, --apply_chat_template NAME"):
+        check_chat_template(tokenizer, True, "--apply_chat_template")
+
+
+def test_more_few_shot_examples_than_the_tasks_hold_is_one_line_before_the_model_loads(
+    script, tiny, tmp_path, capsys, monkeypatch
+):
+    def must_not_load(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(script.multi_process, "load_model", must_not_load)
+    argv = ["--tasks", "flash_mc", "essay_perplexity", "--model_name_or_path", str(tiny), "-f", "100000"]
+    line = refused_before_evaluating(script, [*argv, "-o", str(tmp_path / "out.json")], capsys, monkeypatch)
+    assert line == (
+        "run_lm_eval.py: error: -f/--num_fewshot 100000: more few-shot examples than the tasks hold (flash_mc has "
+        "20, essay_perplexity has 11); pass 11 or fewer, or leave it out for each task's own number."
+    )
+
+
+def test_the_few_shot_bound_is_each_tasks_own_count(tmp_path):
+    pools = fewshot_pools(check_task_data(select_tasks(["flash_mc"], None)))
+    assert pools == [FewshotPool("flash_mc", 20)]  # its 20 train items; the 250 test items are evaluated
+    assert check_num_fewshot(20, pools) == [] and check_num_fewshot(None, pools) == []
+    with pytest.raises(ValueError, match=r"-f/--num_fewshot 21: .*\(flash_mc has 20\); pass 20 or fewer"):
+        check_num_fewshot(21, pools)
+    # Few-shot examples drawn from the evaluated split: lm-eval leaves the evaluated document out, so 4 rows give 3.
+    folder = write_user_task(tmp_path / "tasks")
+    (folder / "my_sums.yaml").write_text((folder / "my_sums.yaml").read_text() + "fewshot_split: test\n")
+    assert fewshot_pools(check_task_data(select_tasks(["my_sums"], [str(folder)]))) == [FewshotPool("my_sums", 3)]
+    zero = FewshotPool("fixed", 0, fixed_at_zero=True)
+    assert check_num_fewshot(5, [zero]) == [
+        "-f/--num_fewshot 5: fixed sets num_fewshot: 0 in its YAML file, which lm-eval keeps: its prompts get no "
+        "examples."
+    ]
+    unknown = [FewshotPool("custom", None)]
+    check_num_fewshot(100000, unknown)  # not known before the run: bounded by the model's context instead
+    check_num_fewshot_fits(128, unknown, 128)
+    with pytest.raises(ValueError, match="-f/--num_fewshot 129: custom cannot count .* 128-token context"):
+        check_num_fewshot_fits(129, unknown, 128)

@@ -19,8 +19,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import LlamaForCausalLM, TrainerCallback
+from transformers import HfArgumentParser, LlamaForCausalLM, TrainerCallback, TrainingArguments
 
+from optimum.habana.cli.finetuning import data as finetuning_data
+from optimum.habana.cli.finetuning.arguments import ARGUMENT_CLASSES, check_arguments, parse_arguments
 from optimum.habana.utils import devices
 from optimum.habana.utils.atomic import current_umask
 from optimum.habana.utils.model_loading import CACHE_ENV_VAR
@@ -140,6 +142,18 @@ CASES = {
     "--weight_decay -inf": Case(lambda c: c.args("--weight_decay=-inf"), 2, ["--weight_decay", "-inf"]),
     "--seed -1": Case(lambda c: c.args("--seed", "-1"), 2, ["--seed", "-1", "4294967295"]),
     "--data_seed 2**32": Case(lambda c: c.args("--data_seed", str(2**32)), 2, ["--data_seed", "4294967296"]),
+    # nothing silent: step counts that train or save nothing
+    "--max_steps 0": Case(lambda c: c.args("--max_steps", "0"), 2, ["--max_steps 0 trains no step", "-1"]),
+    "--num_train_epochs 0": Case(
+        lambda c: c.args("--max_steps", "-1", "--num_train_epochs", "0"),
+        2,
+        ["--num_train_epochs 0 trains no step", "--max_steps N"],
+    ),
+    "--save_steps 0": Case(
+        lambda c: c.args("--save_strategy", "steps", "--save_steps", "0"),
+        2,
+        ["--save_steps 0 never saves a checkpoint", "--save_strategy no"],
+    ),
     # nothing silent: data
     "row without an answer": Case(
         lambda c: c.args("--train_file", c.file("d.jsonl", JSONL_ROW * 2 + '{"instruction": "Why?"}\n')),
@@ -190,6 +204,23 @@ CASES = {
         ),
         2,
         ["d.jsonl", "has no examples: the instruction, input, output of every row are blank"],
+    ),
+    "every response blank": Case(
+        lambda c: c.args("--train_file", c.file("d.jsonl", '{"instruction": "Name a color.", "output": ""}\n' * 4)),
+        2,
+        ["d.jsonl", "the 'output' column", "blank in every row", "--output_column_name", "instruction, output"],
+    ),
+    "every response blank in the column named by --output_column_name": Case(
+        lambda c: c.args(
+            "--train_file",
+            c.file("d.csv", "question,answer,reply\nAdd 1 and 2., ,3\nName a color.,  ,red\n"),
+            "--instruction_column_name",
+            "question",
+            "--output_column_name",
+            "answer",
+        ),
+        2,
+        ["d.csv", "the 'answer' column", "blank in every row", "(the columns: question, answer, reply)"],
     ),
     "--fsdp with an unknown option, one process": Case(
         lambda c: c.args("--fsdp", "bogus_value"),
@@ -386,6 +417,25 @@ def test_bad_input_and_faults(name, script, checkpoint, earlier_run, nan_checkpo
         assert sorted(path.name for path in context.out.iterdir()) == ["checkpoint-1"]
 
 
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ["--max_steps", "-1", "--num_train_epochs", "0.5"],  # -1: train for the epochs, here half of one
+        ["--max_steps", "3", "--num_train_epochs", "0"],  # a positive --max_steps overrides the epochs
+        ["--save_strategy", "steps", "--save_steps", "0.5"],  # a fraction of the training's steps
+        ["--save_strategy", "no", "--save_steps", "0"],  # no checkpoint asked for: --save_steps is not read
+        ["--do_eval", "--max_steps", "0"],  # no training, so no step count to check (eval alone)
+    ],
+)
+def test_step_counts_that_mean_something_in_transformers_are_accepted(extra, tmp_path):
+    parser = HfArgumentParser((*ARGUMENT_CLASSES, TrainingArguments))
+    argv = script_args(tmp_path / "model", tmp_path / "out", *extra)
+    if "--do_eval" not in extra:
+        argv.append("--do_train")
+    args = parse_arguments(parser, argv)
+    check_arguments(args.data, args.generation, args.training)
+
+
 # --- what the refusals point to works ----------------------------------------------------------------------------
 
 
@@ -532,6 +582,14 @@ def test_skipped_rows_are_counted(script, checkpoint, tmp_path, caplog):
     data.write_text(JSONL_ROW * 4 + '{"instruction": " ", "input": "", "output": ""}\n' * 2)
     script.main(script_args(checkpoint, tmp_path / "out3", *TRAIN.split(), "--train_file", str(data)))
     assert "skipped 2 rows whose instruction, input, output are all blank" in caplog.text
+
+
+def test_rows_with_a_blank_response_are_counted(tmp_path, caplog):
+    data = tmp_path / "d.jsonl"
+    data.write_text(JSONL_ROW * 3 + '{"instruction": "Say nothing.", "output": " "}\n')
+    dataset = finetuning_data.load_data_file(str(data), "--train_file")
+    assert dataset.num_rows == 4  # kept: the end token is still something to learn
+    assert f"--train_file {str(data)!r}: 1 of 4 rows have a blank 'output'" in caplog.text
 
 
 def test_bf16_on_a_cpu_that_emulates_it_is_said_once(script, checkpoint, tmp_path, caplog, monkeypatch):

@@ -3,6 +3,7 @@
 import json
 
 import pytest
+from transformers.generation.continuous_batching.scheduler import Scheduler
 
 from tests.helpers import count_attention_paths
 
@@ -124,3 +125,57 @@ def test_a_dataset_file_that_does_not_exist_is_no_such_file(name, script, tiny_c
         f"run_generation.py: error: --dataset_name {name!r}: no such file or folder. Pass your own data file "
         "(.json, .jsonl, .csv, .parquet, .txt) or dataset folder, or a hub dataset id."
     ]
+
+
+def test_more_prompts_than_batch_size_are_all_requests_at_most_batch_size_per_step(
+    script, tiny_checkpoint, tmp_path, monkeypatch, capsys
+):
+    steps = []
+    process_candidates = Scheduler._process_candidates
+
+    def recorded(self, *args, **kwargs):
+        result = process_candidates(self, *args, **kwargs)
+        steps.append(len(result[0]))
+        return result
+
+    monkeypatch.setattr(Scheduler, "_process_candidates", recorded)
+    prompts = [*PROMPTS, "One more prompt"]
+    results = run(
+        script,
+        tiny_checkpoint,
+        tmp_path,
+        "--prompt",
+        *prompts,
+        "--batch_size",
+        "2",
+        "--max_new_tokens",
+        "4",
+        "--continuous_batching",
+    )
+    notes = [line for line in capsys.readouterr().err.splitlines() if line.startswith("Note:")]
+    assert notes == [
+        "Note: --batch_size 2 with --continuous_batching: the most requests the engine runs in one step (its "
+        "max_requests_per_batch); each of the 4 prompts is a request, and the others wait for a free place."
+    ]
+    assert [text["prompt"] for text in results["texts"]] == prompts
+    stats = results["stats"]
+    assert stats["requests"] == 4 and stats["failed_requests"] == 0
+    assert stats["paged_cache"]["max_requests_per_batch"] == 2
+    assert max(steps) == 2  # the engine used the two places, and never more
+
+
+def test_fewer_prompts_than_batch_size_are_cycled_to_that_many_requests(script, tiny_checkpoint, tmp_path, capsys):
+    results = run(
+        script,
+        tiny_checkpoint,
+        tmp_path,
+        "--prompt",
+        "Hi",
+        "--batch_size",
+        "3",
+        "--max_new_tokens",
+        "4",
+        "--continuous_batching",
+    )
+    assert results["stats"]["requests"] == 3 and results["stats"]["paged_cache"]["max_requests_per_batch"] == 3
+    assert "Note:" not in capsys.readouterr().err

@@ -3,7 +3,9 @@ memory as one line, the output folder, and the versions and hardware a result wa
 
 `exit_on_interrupt_or_oom` wraps the part of a script that loads, trains or generates. The script says what to
 report (the phase, the batch and lengths that ran out of memory, what was kept) and what to clean up (partial
-files); the exit status is 130 for Ctrl-C, as shells use for SIGINT, and 1 for out of memory.
+files); the exit status is 130 for Ctrl-C, as shells use for SIGINT, 143 for SIGTERM where a script asks for it
+(`sigterm=True`), and 1 for out of memory. `stop_signals_deferred` holds both signals while files that must agree
+are written.
 """
 
 import contextlib
@@ -101,6 +103,7 @@ def _argument_values(argument: object) -> list[tuple[str, object]]:
 
 EXIT_FAILURE = 1
 EXIT_INTERRUPTED = 130
+EXIT_TERMINATED = 143  # 128 + SIGTERM, as shells report a process that SIGTERM ended
 # How the devices word an allocation failure: CUDA and HPU raise RuntimeErrors, the CPU allocator too (RLIMIT_AS).
 _OUT_OF_MEMORY_WORDS = (
     "out of memory",
@@ -110,6 +113,12 @@ _OUT_OF_MEMORY_WORDS = (
     "failed to allocate",
 )
 GB = 1024**3
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the main thread where it is running, so that a script stops as on Ctrl-C (see
+    `exit_on_interrupt_or_oom(sigterm=True)`): its `finally` blocks and clean-up run instead of an abrupt end."""
 
 
 def is_out_of_memory(error: BaseException) -> bool:
@@ -126,40 +135,86 @@ def exit_on_interrupt_or_oom(
     on_interrupt: Callable[[], str],
     on_out_of_memory: Callable[[BaseException], str],
     cleanup: Callable[[], None] | None = None,
+    sigterm: bool = False,
 ) -> Iterator[None]:
     """Turn Ctrl-C into `prog: interrupted: <on_interrupt()>` and exit 130, and running out of memory into
-    `prog: error: <on_out_of_memory(error)>` and exit 1; `cleanup` runs first (removing partial files), with a
-    second Ctrl-C ignored so that it finishes. Any other exception passes through unchanged.
+    `prog: error: <on_out_of_memory(error)>` and exit 1; `cleanup` runs first (removing partial files). While the
+    clean-up and the line run, a second Ctrl-C (or a SIGTERM) is ignored, so that both finish. With `sigterm`,
+    SIGTERM stops the block as Ctrl-C does (`Terminated`), with `prog: terminated (SIGTERM): ...` and exit 143.
+    Any other exception passes through unchanged.
     """
+    previous = _raise_on_sigterm() if sigterm else None
     try:
         yield
-    except KeyboardInterrupt:
-        _clean(cleanup)
-        _exit(EXIT_INTERRUPTED, f"{prog}: interrupted: {on_interrupt()}")
+    except KeyboardInterrupt as interrupt:
+        terminated = isinstance(interrupt, Terminated)
+        with _stop_signals_ignored():
+            if cleanup is not None:
+                cleanup()
+            line = f"{prog}: {'terminated (SIGTERM)' if terminated else 'interrupted'}: {on_interrupt()}"
+            _write_line(line)
+        raise SystemExit(EXIT_TERMINATED if terminated else EXIT_INTERRUPTED) from None
     except (MemoryError, RuntimeError) as error:
         if not is_out_of_memory(error):
             raise
         error.__traceback__ = None  # let the tensors of the failed step go before cleaning up
-        _clean(cleanup)
-        _exit(EXIT_FAILURE, f"{prog}: error: {on_out_of_memory(error)}")
-
-
-def _clean(cleanup: Callable[[], None] | None) -> None:
-    if cleanup is None:
-        return
-    in_main_thread = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if in_main_thread else None
-    try:
-        cleanup()
+        with _stop_signals_ignored():
+            if cleanup is not None:
+                cleanup()
+            _write_line(f"{prog}: error: {on_out_of_memory(error)}")
+        raise SystemExit(EXIT_FAILURE) from None
     finally:
         if previous is not None:
-            signal.signal(signal.SIGINT, previous)
+            signal.signal(signal.SIGTERM, previous)
 
 
-def _exit(status: int, line: str) -> None:
+@contextlib.contextmanager
+def stop_signals_deferred() -> Iterator[None]:
+    """Ctrl-C and SIGTERM wait until the block ends, then act as they would have: what the block writes (a pair of
+    result files, say) is written whole. Outside the main thread, where signals cannot be handled, it does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    received: list[int] = []
+    previous = {
+        number: signal.signal(number, lambda number, frame: received.append(number)) for number in _STOP_SIGNALS
+    }
+    try:
+        yield
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler)
+    if received:
+        signal.raise_signal(received[0])
+
+
+def _raise_on_sigterm() -> Any:
+    """Install a SIGTERM handler that raises `Terminated`; returns the handler it replaced (None off the main thread)."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def terminate(number: int, frame: Any) -> None:
+        raise Terminated()
+
+    return signal.signal(signal.SIGTERM, terminate)
+
+
+@contextlib.contextmanager
+def _stop_signals_ignored() -> Iterator[None]:
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {number: signal.signal(number, signal.SIG_IGN) for number in _STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler)
+
+
+def _write_line(line: str) -> None:
     sys.stderr.write(line.replace("\n", " ") + "\n")
     sys.stderr.flush()
-    raise SystemExit(status)
 
 
 def missing_extra(prog: str, error: ImportError, module: str, what: str, extra: str) -> str:

@@ -303,8 +303,34 @@ def check_arguments(
         raise FineTuningError(f"--max_new_tokens must be at least 1, got {generation_args.max_new_tokens}.")
     if not (training_args.do_train or training_args.do_eval or generation_args.generation_samples):
         raise FineTuningError("Nothing to do: pass --do_train, --do_eval and/or --generation_samples N.")
+    if training_args.do_train:
+        check_training_length(training_args)
     if problem := data_parallel_launch_problem(training_args.use_cpu, launch_environment()):
         raise FineTuningError(problem)
+
+
+def check_training_length(training_args: TrainingArguments) -> None:
+    """Step counts the Trainer accepts but that train nothing or save nothing, without a word.
+
+    In transformers, a negative --max_steps (-1, the default) means "train for --num_train_epochs"; 0 means zero
+    steps. A --save_steps below 1 is a fraction of the training's steps, and 0 (or less) rounds to no checkpoint.
+    """
+    if training_args.max_steps == 0:
+        raise FineTuningError(
+            "--max_steps 0 trains no step: pass a positive number of steps, or leave it out (-1) to train for "
+            "--num_train_epochs."
+        )
+    if training_args.max_steps < 0 and training_args.num_train_epochs <= 0:
+        raise FineTuningError(
+            f"--num_train_epochs {training_args.num_train_epochs:g} trains no step: pass a positive number of epochs "
+            "(0.5 trains on half the data), or --max_steps N."
+        )
+    if training_args.save_strategy == "steps" and training_args.save_steps <= 0:
+        raise FineTuningError(
+            f"--save_steps {training_args.save_steps:g} never saves a checkpoint (--save_strategy steps, the "
+            "default): pass a positive number of steps (or a fraction below 1 of the training's steps), or "
+            "--save_strategy no to save none."
+        )
 
 
 def resolve_dtype(name: str, training_args: TrainingArguments) -> torch.dtype:

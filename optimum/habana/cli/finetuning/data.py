@@ -121,7 +121,7 @@ def load_raw_datasets(
         )
         datasets = DatasetDict(
             {
-                split: drop_blank_rows(data, f"The dataset {dataset_name!r} ({split})")
+                split: drop_blank_rows(data, f"The dataset {dataset_name!r} ({split})", options["columns"])
                 if set(REQUIRED_INSTRUCTION_FIELDS) <= set(data.column_names)
                 else data
                 for split, data in datasets.items()
@@ -203,7 +203,7 @@ def load_data_file(
     if set(REQUIRED_INSTRUCTION_FIELDS) <= set(dataset.column_names):
         for name in REQUIRED_INSTRUCTION_FIELDS:
             check_no_missing_values(dataset, name, file, argument)
-        dataset = drop_blank_rows(dataset, f"{argument} {path!r}")
+        dataset = drop_blank_rows(dataset, f"{argument} {path!r}", columns or {})
     elif TEXT_FIELD in dataset.column_names:
         if builder != "text":
             check_no_missing_values(dataset, TEXT_FIELD, file, argument)
@@ -217,10 +217,11 @@ def load_data_file(
     return dataset
 
 
-def drop_blank_rows(dataset: Dataset, source: str) -> Dataset:
+def drop_blank_rows(dataset: Dataset, source: str, renames: dict[str, str] | None = None) -> Dataset:
     """Instruction rows with every field blank, skipped and counted; none left is a FineTuningError. Such a row
     holds nothing of the data: its tokens are the prompt template's and the end token, which would train the
-    adapter to answer nothing (and a run of nothing but such rows would train and exit 0)."""
+    adapter to answer nothing (and a run of nothing but such rows would train and exit 0). Then the responses:
+    see `check_responses`. `renames` (`{their name: ours}`) names the columns as the data does."""
     fields = [name for name in INSTRUCTION_FIELDS if name in dataset.column_names]
     rows = dataset.num_rows
     dataset = dataset.filter(lambda example: any(str(example[name] or "").strip() for name in fields))
@@ -230,7 +231,32 @@ def drop_blank_rows(dataset: Dataset, source: str) -> Dataset:
         logger.warning(
             "%s: skipped %d rows whose %s are all blank.", source, rows - dataset.num_rows, ", ".join(fields)
         )
+    check_responses(dataset, source, renames or {})
     return dataset
+
+
+def check_responses(dataset: Dataset, source: str, renames: dict[str, str]) -> None:
+    """A blank response teaches the example's prompt to be answered by the end token alone (and, without
+    --train_on_inputs, the prompt carries no loss): every response blank is a FineTuningError naming the column,
+    some of them one warning that counts them."""
+    theirs = {ours: given for given, ours in renames.items()}
+    column = theirs.get("output", "output")
+    blank = sum(not as_text(value).strip() for value in dataset["output"])
+    if blank == dataset.num_rows:
+        columns = ", ".join(theirs.get(name, name) for name in dataset.column_names)
+        raise FineTuningError(
+            f"{source}: the {column!r} column (the responses the adapter learns to write) is blank in every row: "
+            "it would learn to answer nothing. Fill it in, or name the column that holds the responses with "
+            f"--output_column_name (the columns: {columns})."
+        )
+    if blank:
+        logger.warning(
+            "%s: %d of %d rows have a blank %r: those examples learn only to end the response at once.",
+            source,
+            blank,
+            dataset.num_rows,
+            column,
+        )
 
 
 def check_utf8(file: Path, argument: str) -> None:

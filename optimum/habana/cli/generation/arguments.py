@@ -55,7 +55,8 @@ class WorkloadArguments:
         metadata={
             "action": "extend",
             "help": "Prompt text; repeat the flag (or give several values) for several prompts. Prompts are cycled to "
-            "fill --batch_size. Default: a few built-in prompts of different lengths.",
+            "fill --batch_size (with --continuous_batching, more than --batch_size are all requests). Default: a few "
+            "built-in prompts of different lengths.",
         },
     )
     prompt_file: str | None = field(
@@ -86,7 +87,9 @@ class WorkloadArguments:
     batch_size: int = field(
         default=1,
         metadata={
-            "help": "Number of sequences generated together; with --continuous_batching, the number of requests."
+            "help": "Number of sequences generated together; with --continuous_batching, the most requests the engine "
+            "runs in one step (max_requests_per_batch): fewer prompts are cycled to this many requests, more are all "
+            "requests and wait their turn."
         },
     )
     max_input_tokens: int = field(
@@ -429,7 +432,7 @@ def flag_notes(arguments: ScriptArguments, device: torch.device, dtype: torch.dt
         )
     if bf16_note := slow_bf16_note(device, dtype):
         notes.append(f"--bf16: {bf16_note}")
-    if workload.prompt and len(workload.prompt) > workload.batch_size:
+    if workload.prompt and len(workload.prompt) > workload.batch_size and not execution.continuous_batching:
         unused = len(workload.prompt) - workload.batch_size
         notes.append(
             f"--prompt: {len(workload.prompt)} prompts for --batch_size {workload.batch_size}: the last {unused} are not "

@@ -1,6 +1,10 @@
 """`run_generation.py --continuous_batching`: the prompts as separate requests through transformers' continuous
 batching (`generate_batch`, paged KV cache), each request timed on its own.
 
+--batch_size means there what it means for a static batch, the most sequences generated together: the engine puts
+at most that many requests in one step (its `max_requests_per_batch`). Every prompt is a request; fewer prompts
+than --batch_size are cycled to fill it, as for a static batch, and more wait for a free place in the steps.
+
 A request's time to first token runs from its submission (`created_time`) to its first token's timestamp;
 its tokens/s are its new tokens over its time from submission to its last token. Overall throughput is every
 request's new tokens over the wall time of the whole batch.
@@ -50,6 +54,23 @@ class BatchRun:
     generated: list[list[int]]  # each request's new tokens, in submission order
 
 
+def request_prompts(pool: Sequence[str], batch_size: int) -> list[str]:
+    """Every prompt of the pool a request, cycled to `batch_size` requests when the pool has fewer."""
+    if len(pool) >= batch_size:
+        return list(pool)
+    return [pool[index % len(pool)] for index in range(batch_size)]
+
+
+def batch_size_note(prompts: int, batch_size: int) -> str | None:
+    """The line that says what --batch_size does here, when more prompts than it make the difference visible."""
+    if prompts <= batch_size:
+        return None
+    return (
+        f"--batch_size {batch_size} with --continuous_batching: the most requests the engine runs in one step (its "
+        f"max_requests_per_batch); each of the {prompts} prompts is a request, and the others wait for a free place."
+    )
+
+
 def tokenize_requests(
     tokenizer: PreTrainedTokenizerBase, texts: Sequence[str], max_input_tokens: int
 ) -> list[list[int]]:
@@ -65,13 +86,19 @@ def engine_config(
     max_new_tokens: int,
     max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS,
     seed: int | None = None,
+    max_requests: int | None = None,
 ) -> ContinuousBatchingConfig:
-    """A paged cache that holds every request at once, sized from the workload: transformers otherwise sizes it
-    from the device's free memory (seconds of allocation on a large CPU machine). `seed` seeds the engine's
-    sampling (it samples in its own thread, after this process's own seeding), so that sampled texts repeat."""
-    pages = sum(math.ceil((length + max_new_tokens) / PAGE_SIZE) for length in prompt_lengths)
+    """A paged cache sized from the workload: transformers otherwise sizes it from the device's free memory (seconds
+    of allocation on a large CPU machine). `max_requests` bounds the requests of one step (None: every request at
+    once), and the cache holds the largest that many together. `seed` seeds the engine's sampling (it samples in
+    its own thread, after this process's own seeding), so that sampled texts repeat."""
+    pages = sorted((math.ceil((length + max_new_tokens) / PAGE_SIZE) for length in prompt_lengths), reverse=True)
     return ContinuousBatchingConfig(
-        page_size=PAGE_SIZE, num_blocks=pages + 1, max_batch_tokens=max_batch_tokens, seed=seed
+        page_size=PAGE_SIZE,
+        num_blocks=sum(pages[:max_requests]) + 1,
+        max_batch_tokens=max_batch_tokens,
+        max_requests_per_batch=max_requests,
+        seed=seed,
     )
 
 

@@ -23,6 +23,7 @@ from optimum.habana.cli.common import (
     environment_versions,
     exit_on_interrupt_or_oom,
     hardware,
+    stop_signals_deferred,
     writable_folder,
 )
 from optimum.habana.transformers.models import GAUDI_CAUSAL_LM_CLASSES, supported_model_types
@@ -256,20 +257,33 @@ def run(arguments: FidelityArguments, parser: HfArgumentParser, argv: Sequence[s
     def kept() -> str:
         if not saved:
             return "nothing was written."
+        if report["complete"]:
+            return f"the run had finished: the complete results are in {', '.join(map(str, saved))}."
         return f"the measurements so far are in {', '.join(map(str, saved))}, marked incomplete."
 
+    def write_again() -> None:
+        """A stop inside save() may leave results.json one measurement ahead of results.md: both again, whole."""
+        if saved and not report["complete"]:
+            save()
+
+    # Ctrl-C, a second Ctrl-C and SIGTERM all end the same way: one line, and files that say how far the run got.
     with exit_on_interrupt_or_oom(
         parser.prog,
         on_interrupt=kept,
         on_out_of_memory=lambda error: (
             f"out of memory ({type(error).__name__}): lower --seq_lens, --logit_lens or --ppl_window; {kept()}"
         ),
+        cleanup=write_again,
+        sigterm=True,
     ):
+        # At once: --overwrite's earlier results, complete ones included, never stand for a run stopped early.
+        save()
         measure(arguments, device, model_input, report, save)
-    report["complete"] = True
-    report["seconds"] = {"wall": time.perf_counter() - started, "process_cpu": time.process_time()}
-    save()
-    print(markdown(report))
+        with stop_signals_deferred():  # results.json and results.md say "complete" together, or neither does
+            report["complete"] = True
+            report["seconds"] = {"wall": time.perf_counter() - started, "process_cpu": time.process_time()}
+            save()
+        print(markdown(report))
     return 0
 
 

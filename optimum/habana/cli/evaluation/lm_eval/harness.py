@@ -88,12 +88,14 @@ def select_tasks(tasks: Sequence[str], include_path: Sequence[str] | None) -> Ta
     return TaskSelection(manager, names)
 
 
-def check_task_data(selection: TaskSelection) -> None:
-    """Build every task once (which loads its data), so a missing dataset stops the run before the model loads."""
+def check_task_data(selection: TaskSelection) -> list[Any]:
+    """Build every task once (which loads its data), so a missing dataset stops the run before the model loads;
+    returns what was built, one entry per name (e.g. for counting the tasks' few-shot examples)."""
     load = getattr(selection.manager, "load", None) or selection.manager.load_task_or_group  # lm-eval < 0.4.10
+    built = []
     for name in selection.names:
         try:
-            load([name])
+            built.append(load([name]))
         except ConnectionError as error:
             raise TaskDataError(
                 f"--tasks {name} needs its dataset from the Hugging Face Hub, which cannot be reached "
@@ -108,6 +110,7 @@ def check_task_data(selection: TaskSelection) -> None:
                 f"--tasks {name}: the task cannot be built ({type(error).__name__}: {first_line(error)}); check its "
                 "YAML file."
             ) from None
+    return built
 
 
 def first_line(error: BaseException) -> str:
