@@ -218,7 +218,7 @@ def check_generation(config: Any, request: Any, engine: Any | None) -> None:
     except ValueError as error:
         asked = [name for name in ATTENTION_FLAG_NAMES if getattr(request.generation_config, name, None)]
         param = f"generation_config.{asked[0]}" if asked else "generation_config"
-        raise RequestError(f"`generation_config`: {error}", param) from None
+        raise RequestError(f"`{param}`: {error} (the server's own flags are the defaults)", param) from None
     try:
         config.validate()
     except ValueError as error:  # GenerationConfig's own checks of the combination

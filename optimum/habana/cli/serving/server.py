@@ -264,41 +264,47 @@ class GaudiServe(Serve):
             compile=compile,
             cb_config=ContinuousBatchingConfig(**cb_options) if cb_options else None,
         )
-        if served.continuous_batching:  # the engine starts now, with the server's settings: its cache is known
-            engine = self._generation_state.get_manager(served.name, use_cb=True)
-            engine.init_cb(loaded)
-            logger.warning("Continuous batching: %s.", describe_cache(engine))
-        shared = {"model_manager": self._model_manager, "generation_state": self._generation_state}
-        self._chat_handler = GaudiChatCompletionHandler(**shared, chat_template_kwargs=chat_template_kwargs)
-        self._completion_handler = GaudiCompletionHandler(**shared)
-        self._response_handler = GaudiResponseHandler(**shared, chat_template_kwargs=chat_template_kwargs)
-        self._transcription_handler = TranscriptionHandler(self._model_manager, self._generation_state)
-        self._systemone_handler = SystemOneHandler(
-            **shared, chat_template_kwargs=chat_template_kwargs, decision_config=decision_config
-        )
-        app = build_server(
-            self._model_manager,
-            self._chat_handler,
-            completion_handler=self._completion_handler,
-            response_handler=self._response_handler,
-            transcription_handler=self._transcription_handler,
-            systemone_handler=self._systemone_handler,
-            generation_state=self._generation_state,
-            enable_cors=enable_cors,
-        )
-        handlers = {"chat": self._chat_handler, "completion": self._completion_handler}
-        declare_routes(app, handlers | {"response": self._response_handler}, self._model_manager, admin_routes)
-        install(app, self._requests, api_key)
-        announce_doors(host, port, api_key, admin_routes)
-        config = uvicorn.Config(
-            app, host=host, port=port, log_level="info", timeout_graceful_shutdown=SHUTDOWN_GRACE_S
-        )
-        self.server = GracefulServer(config, on_shutdown=lambda: self._requests.cancel_all(SHUTDOWN))
+        try:  # a Ctrl-C or a failure while the engine starts leaves nothing running
+            if served.continuous_batching:  # the engine starts now, with the server's settings: its cache is known
+                engine = self._generation_state.get_manager(served.name, use_cb=True)
+                engine.init_cb(loaded)
+                logger.warning("Continuous batching: %s.", describe_cache(engine))
+            shared = {"model_manager": self._model_manager, "generation_state": self._generation_state}
+            self._chat_handler = GaudiChatCompletionHandler(**shared, chat_template_kwargs=chat_template_kwargs)
+            self._completion_handler = GaudiCompletionHandler(**shared)
+            self._response_handler = GaudiResponseHandler(**shared, chat_template_kwargs=chat_template_kwargs)
+            self._transcription_handler = TranscriptionHandler(self._model_manager, self._generation_state)
+            self._systemone_handler = SystemOneHandler(
+                **shared, chat_template_kwargs=chat_template_kwargs, decision_config=decision_config
+            )
+            app = build_server(
+                self._model_manager,
+                self._chat_handler,
+                completion_handler=self._completion_handler,
+                response_handler=self._response_handler,
+                transcription_handler=self._transcription_handler,
+                systemone_handler=self._systemone_handler,
+                generation_state=self._generation_state,
+                enable_cors=enable_cors,
+            )
+            handlers = {"chat": self._chat_handler, "completion": self._completion_handler}
+            declare_routes(app, handlers | {"response": self._response_handler}, self._model_manager, admin_routes)
+            install(app, self._requests, api_key)
+            announce_doors(host, port, api_key, admin_routes)
+            config = uvicorn.Config(
+                app, host=host, port=port, log_level="info", timeout_graceful_shutdown=SHUTDOWN_GRACE_S
+            )
+            self.server = GracefulServer(config, on_shutdown=lambda: self._requests.cancel_all(SHUTDOWN))
+        except BaseException:
+            self._generation_state.shutdown()
+            raise
         if non_blocking:
             self.start_server()
         else:
             try:
                 self.server.run()
+            except KeyboardInterrupt:  # uvicorn shut down on Ctrl-C, then raised it again: exit as interrupted
+                raise SystemExit(130) from None
             finally:
                 self._generation_state.shutdown()
 
