@@ -61,6 +61,8 @@ async def request_error(_request: Request, error: RequestError) -> JSONResponse:
 
 async def http_error(request: Request, error: HTTPException) -> JSONResponse:
     detail = error.detail if isinstance(error.detail, str) else str(error.detail)
+    if error.status_code == 400 and detail == "There was an error parsing the body":  # FastAPI's words
+        detail = "The request body could not be read as JSON: send UTF-8 JSON text."
     if error.status_code == 404 and detail == "Not Found":
         detail = (
             f"{request.url.path} is not served here: this server serves a text model at /v1/chat/completions, "

@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Discriminator, Field, Tag, model_validator
 from pydantic_core import PydanticCustomError
 
-from .checks import UNION_TAGS, TokenRequest
+from .checks import TokenRequest
 from .fields import (
     Arguments,
     FlatTool,
@@ -50,25 +50,36 @@ def problem(kind: str, message: str, field: str) -> PydanticCustomError:
     return PydanticCustomError(kind, message, {"field": field})
 
 
-class Message(Strict):
-    """A chat message: text content (a string or text parts), an assistant's tool calls, a tool's answer."""
+Content = Text | Annotated[list[TextPart], Field(max_length=1024)]
 
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Text | Annotated[list[TextPart], Field(max_length=1024)] | None = None
+
+class TextMessage(Strict):
+    """A system, developer or user message: its text (a string or text parts)."""
+
+    role: Literal["system", "developer", "user"]
+    content: Content
+    name: Text | None = Field(None, description="accepted and not passed to the chat template")
+
+
+class AssistantMessage(Strict):
+    """An earlier answer: its text, or the tool calls it made."""
+
+    role: Literal["assistant"]
+    content: Content | None = None
     name: Text | None = Field(None, description="accepted and not passed to the chat template")
     tool_calls: Annotated[list[ToolCall], Field(max_length=128)] | None = None
-    tool_call_id: Text | None = None
     refusal: Text | None = Field(None, description="accepted and ignored (an earlier answer's refusal)")
 
-    @model_validator(mode="after")
-    def by_role(self) -> "Message":
-        if self.tool_calls is not None and self.role != "assistant":
-            raise problem("invalid_value", "belongs on an assistant message only", "tool_calls")
-        if self.content is None and self.tool_calls is None and self.role != "assistant":
-            raise problem("missing_required_parameter", "is missing: give the message's text", "content")
-        if self.role == "tool" and self.tool_call_id is None:
-            raise problem("missing_required_parameter", "must name the tool call answered", "tool_call_id")
-        return self
+
+class ToolMessage(Strict):
+    """A tool's answer to one of the assistant's calls."""
+
+    role: Literal["tool"]
+    content: Content
+    tool_call_id: Text
+
+
+Message = Annotated[TextMessage | AssistantMessage | ToolMessage, Discriminator("role")]
 
 
 class ResponseFormat(Strict):
@@ -204,7 +215,7 @@ class ReasoningItem(Strict):
     status: Literal["in_progress", "completed", "incomplete"] | None = None
 
 
-ITEM_TAGS = UNION_TAGS - {"str", "int", "float"}
+ITEM_TAGS = {"message", "function_call", "function_call_output", "reasoning", "input_text"}
 
 
 def item_kind(value: Any) -> str | None:

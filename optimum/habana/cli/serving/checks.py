@@ -61,7 +61,9 @@ class TokenRequest:
 
 OWN_ERRORS = {"invalid_value", "unsupported_value", "unsupported_parameter", "missing_required_parameter"}
 # Parts of pydantic's error locations that name a union member, not a field.
+# (bodies' input items, then a chat message's roles)
 UNION_TAGS = {"message", "function_call", "function_call_output", "reasoning", "input_text", "str", "int", "float"}
+UNION_TAGS |= {"system", "developer", "user", "assistant", "tool"}
 FREE_FORM = {"logit_bias", "metadata", "chat_template_kwargs", "parameters", "schema", "json_schema", "summary"}
 
 
@@ -110,7 +112,11 @@ def openai_error(problems: list[dict[str, Any]], descriptions: dict[str, str] | 
     if kind == "json_invalid" and (len(location) <= 1 or isinstance(location[1], int)):  # FastAPI's parse error
         reason = (problem.get("ctx") or {}).get("error", "it does not parse")
         return RequestError(f"The request body is not valid JSON: {reason}.", None, "invalid_request_body", 422)
-    if (extra := (problem.get("ctx") or {}).get("field")) is not None:  # a model's own check names its field
+    context = problem.get("ctx") or {}
+    if kind in ("union_tag_invalid", "union_tag_not_found") and "discriminator" in context:
+        extra = str(context["discriminator"]).strip("'")  # the field that picks the union member: `role`
+        param = f"{param}.{extra}" if param else extra
+    if (extra := context.get("field")) is not None:  # a model's own check names its field
         param = f"{param}.{extra}" if param else extra
     if param is None:
         return RequestError(

@@ -13,8 +13,18 @@ import json
 from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, Json, WithJsonSchema
-from pydantic_core import PydanticCustomError
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    GetCoreSchemaHandler,
+    GetJsonSchemaHandler,
+    Json,
+    WithJsonSchema,
+)
+from pydantic_core import PydanticCustomError, core_schema
 from transformers import PreTrainedTokenizerBase
 
 
@@ -64,37 +74,65 @@ def bounded(low: float | None = None, high: float | None = None, *, above: bool 
     return Annotated[float, Field(gt=low if above else None, ge=None if above else low, le=high, allow_inf_nan=False)]
 
 
+def whole(value: Any) -> Any:
+    """A number JSON Schema calls an integer (`1.0`, `1e6`) as the int it is; anything else unchanged (and then
+    refused unless it is an int)."""
+    if type(value) is float and value.is_integer():
+        return int(value)
+    return value
+
+
 def integer(low: int | None = None, high: int | None = None) -> Any:
-    return Annotated[int, Field(ge=low, le=high)]
+    return Annotated[int, Field(ge=low, le=high), BeforeValidator(whole)]
 
 
-def only(*allowed: Any, hint: str = "") -> AfterValidator:
-    """Honoured in the `allowed` values only (JSON equality: true is not 1); any other is a 400 `unsupported_value`."""
-    shown = " or ".join(json.dumps(choice) for choice in allowed)
+class Only:
+    """Honoured in the `allowed` values only (JSON equality: true is not 1), which the schema publishes as its enum;
+    any other is a 400 `unsupported_value` that says why."""
 
-    def check(value: Any) -> Any:
-        if value is not None and not any(same(value, choice) for choice in allowed):
+    def __init__(self, *allowed: Any, hint: str = "") -> None:
+        self.allowed, self.hint = allowed, hint
+        self.shown = " or ".join(json.dumps(choice) for choice in allowed)
+
+    def check(self, value: Any) -> Any:
+        if value is not None and not any(same(value, choice) for choice in self.allowed):
             raise PydanticCustomError(
                 "unsupported_value",
                 "{value} is not supported by this server{hint}; it accepts only {shown}",
-                {"value": json.dumps(value)[:80], "hint": f" ({hint})" if hint else "", "shown": shown},
+                {"value": json.dumps(value)[:80], "hint": f" ({self.hint})" if self.hint else "", "shown": self.shown},
             )
         return value
 
-    return AfterValidator(check)
+    def __get_pydantic_core_schema__(self, source: Any, handler: GetCoreSchemaHandler) -> Any:
+        return core_schema.no_info_after_validator_function(self.check, handler(source))
+
+    def __get_pydantic_json_schema__(self, schema: Any, handler: GetJsonSchemaHandler) -> dict[str, Any]:
+        return {
+            "enum": list(self.allowed),
+            "description": f"only {self.shown}" + (f": {self.hint}" if self.hint else ""),
+        }
 
 
-def refused(hint: str) -> AfterValidator:
-    """Would change the answer and is not implemented: a 400 `unsupported_parameter` in any value but null."""
+class Refused(Only):
+    """Would change the answer and is not implemented: a 400 `unsupported_parameter` in any value but null, which
+    the schema publishes as the only value."""
 
-    def check(value: Any) -> Any:
+    def check(self, value: Any) -> Any:
         if value is not None:
             raise PydanticCustomError(
-                "unsupported_parameter", "is not supported by this server: {hint}", {"hint": hint}
+                "unsupported_parameter", "is not supported by this server: {hint}", {"hint": self.hint}
             )
         return value
 
-    return AfterValidator(check)
+    def __get_pydantic_json_schema__(self, schema: Any, handler: GetJsonSchemaHandler) -> dict[str, Any]:
+        return {"type": "null", "description": f"not supported: {self.hint}"}
+
+
+only = Only
+
+
+def refused(hint: str) -> Refused:
+    return Refused(hint=hint)
 
 
 def same(value: Any, choice: Any) -> bool:
@@ -114,7 +152,9 @@ def json_arguments(value: str) -> str:
     return value
 
 
-Arguments = Annotated[str, AfterValidator(json_arguments)]
+# A string holding the JSON text of an object: published with a format of its own, which fuzzers can be taught.
+JSON_OBJECT_TEXT = {"type": "string", "format": "json-object", "description": "the JSON text of an object"}
+Arguments = Annotated[str, AfterValidator(json_arguments), WithJsonSchema(JSON_OBJECT_TEXT)]
 
 
 def one_of(values: tuple[str, ...], what: str) -> Callable[[str], str]:
@@ -162,18 +202,23 @@ def template_variables(value: dict[str, Any]) -> dict[str, Any]:
 TemplateVariables = Annotated[dict[str, Any], AfterValidator(template_variables)]
 
 
+# Below this a temperature is greedy decoding (its limit): logits divided by 1e-141 overflow to inf, and sampling
+# from them fails (vLLM's _SAMPLING_EPS is the same).
+SAMPLING_EPS = 1e-5
+
+
 class GenerationOptions(Strict):
     """transformers' `generation_config` extension: the GenerationConfig arguments this server honours."""
 
     max_new_tokens: integer(1, 2**31) | None = None
     min_new_tokens: integer(0, 2**31) | None = None
     do_sample: bool | None = None
-    temperature: bounded(0, 100, above=True) | None = None
+    temperature: bounded(SAMPLING_EPS, 100) | None = None
     top_k: integer(0, 2**31) | None = None
     top_p: bounded(0, 1, above=True) | None = None
     min_p: bounded(0, 1) | None = None
     typical_p: bounded(0, 1, above=True) | None = None
-    repetition_penalty: bounded(0, 100, above=True) | None = None
+    repetition_penalty: bounded(0.01, 100) | None = None
     no_repeat_ngram_size: integer(0, 2**31) | None = None
     num_beams: integer(1, 16) | None = None
     length_penalty: bounded(-100, 100) | None = None
@@ -187,7 +232,7 @@ class GenerationOptions(Strict):
 
 
 GenerationConfigField = Annotated[
-    Json[GenerationOptions] | GenerationOptions,
+    Annotated[Json[GenerationOptions], WithJsonSchema(JSON_OBJECT_TEXT)] | GenerationOptions,
     Field(description="GenerationConfig arguments (transformers' extension): an object, or its JSON text"),
 ]
 
@@ -246,7 +291,7 @@ class GenerationRequest(Strict):
 
     model: Text | None = Field(None, description="the served model's name (as /v1/models lists it), or left out")
     stream: bool | None = None
-    temperature: bounded(0, 2) | None = Field(None, description="from 0 (greedy) to 2")
+    temperature: bounded(0, 2) | None = Field(None, description="from 0 to 2 (below 1e-5: greedy)")
     top_p: bounded(0, 1, above=True) | None = Field(None, description="above 0, up to 1")
     seed: Seed | None = Field(None, description="a 64-bit integer")
     generation_config: GenerationConfigField | None = None

@@ -21,7 +21,8 @@ from transformers.cli.serving.completion import CompletionHandler
 from transformers.cli.serving.response import ResponseHandler
 
 from .checks import RequestError, ServedModel, check_generation, check_request, error_body
-from .generation import CURRENT_TOKENS, SHUTDOWN_MESSAGE, shared_generation_config
+from .fields import SAMPLING_EPS
+from .generation import CURRENT_FLIGHT, CURRENT_TOKENS, SHUTDOWN_MESSAGE, cancellation_error, shared_generation_config
 
 
 DONE = "data: [DONE]\n\n"
@@ -55,6 +56,11 @@ class CheckedHandler:
             response = await self.handle_request(request.for_transformers(), request_id)
         except TemplateError as error:  # the template's own check of the conversation (roles' order, ...)
             raise RequestError(f"The model's chat template refused the messages: {error}", "messages") from None
+        except Exception:
+            flight = CURRENT_FLIGHT.get()
+            if flight is not None and flight.cancelled:  # shut down under it (the model unloaded...): say so
+                raise cancellation_error(flight.reason) from None
+            raise
         finally:
             CURRENT_REQUEST.reset(current)
             CURRENT_TOKENS.reset(tokens)
@@ -73,8 +79,8 @@ class CheckedHandler:
         for name, value in options.items():
             setattr(base, name, value)
         config = super()._build_generation_config(body, base, use_cb=use_cb)
-        if request.temperature and "do_sample" not in options:
-            config.do_sample = True  # OpenAI's meaning: a temperature above 0 samples
+        if request.temperature is not None and "do_sample" not in options:
+            config.do_sample = request.temperature >= SAMPLING_EPS  # OpenAI's meaning: above 0 samples
         engine = shared_generation_config(model_generation_config) if use_cb else None
         check_generation(config, request, engine)
         return config

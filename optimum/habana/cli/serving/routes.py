@@ -70,6 +70,15 @@ ERRORS = {
 }
 
 
+# One server-sent event: its `data` a JSON chunk of the answer (OpenAI's), or `[DONE]` where OpenAI's streams end so.
+EVENT = {
+    "type": "object",
+    "required": ["data"],
+    "properties": {"data": {"type": "string"}, "event": {"type": "string"}, "id": {"type": "string"}},
+    "description": "a server-sent event: a chunk of the answer as JSON in `data`, or [DONE]",
+}
+
+
 def generation_route(handler: Any, body_model: type) -> Callable:
     """The route of one generation endpoint: its body as the request model, served by transformers' handler."""
 
@@ -88,7 +97,7 @@ def declare_routes(app: FastAPI, handlers: dict[str, Any], model_manager: Any, a
     load_model = next((route for route in app.router.routes if getattr(route, "path", None) == "/load_model"), None)
     app.router.routes[:] = kept
     for path, endpoint in GENERATION_PATHS.items():
-        stream = {"text/event-stream": {"schema": {"type": "string", "description": "server-sent events"}}}
+        stream = {"text/event-stream": {"schema": EVENT}}
         app.add_api_route(
             path,
             generation_route(handlers[endpoint], BODIES[endpoint]),
@@ -112,9 +121,36 @@ def declare_routes(app: FastAPI, handlers: dict[str, Any], model_manager: Any, a
             methods=["POST"],
             response_model=None,
             summary="Load the served model again (--enable-admin-routes); the server is pinned to it",
-            responses={200: {"content": {"text/event-stream": {"schema": {"type": "string"}}}}, **ERRORS},
+            responses={200: {"content": {"text/event-stream": {"schema": EVENT}}}, **ERRORS},
         )
     app.openapi_schema = None  # built again from these routes
+    app.openapi = served_schema(app.openapi, model_manager)
+
+
+MAX_TOKEN_FIELDS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
+
+
+def served_schema(build: Callable[[], dict], model_manager: Any) -> Callable[[], dict]:
+    """FastAPI's schema with what only the served model knows: its name, and its context as the most tokens a
+    completion may ask for."""
+    done: list[dict] = []
+
+    def openapi() -> dict:
+        if done:
+            return done[0]
+        schema = build()
+        served = model_manager.served
+        for name in ("ChatCompletionRequest", "CompletionRequest", "ResponsesRequest"):
+            properties = schema["components"]["schemas"][name]["properties"]
+            words = "the served model's name (as /v1/models lists it), or left out"
+            properties["model"] = {"anyOf": [{"enum": [served.name]}, {"type": "null"}], "description": words}
+            for field in MAX_TOKEN_FIELDS:
+                if field in properties and served.context_length:
+                    properties[field]["anyOf"][0]["maximum"] = served.context_length
+        done.append(schema)
+        return schema
+
+    return openapi
 
 
 def pinned_loader(load: Callable, model_manager: Any) -> Callable:
