@@ -101,6 +101,7 @@ HOSTILE = {
     "text-format-a-string": (RESPONSES, {"input": "Hello", "text": {"format": "json"}}, "text.format"),
     "text-a-string": (RESPONSES, {"input": "Hello", "text": "hello"}, "text"),
     "text-format-json-object": (RESPONSES, {"input": "Hello", "text": {"format": {"type": "json_object"}}}, "text.format.type"),
+    "input-item-type-a-list": (RESPONSES, {"input": [{"type": ["message"]}]}, "input[0]"),
     "beams-with-a-stream": (
         CHAT,
         chat(stream=True, generation_config={"num_beams": 2}),
@@ -117,6 +118,12 @@ def test_a_hostile_request_is_a_400_naming_its_field(path, body, param, server):
 def test_transcription_is_not_served(server):
     code, answer, _ = server.post("/v1/audio/transcriptions", b"", headers={"Content-Type": "multipart/form-data"})
     assert code == 404 and "/v1/audio/transcriptions is not served here" in answer["error"]["message"]
+
+
+def test_an_empty_logit_bias_biases_nothing(servers):
+    """Found by the long fuzz run: transformers' processor refuses an empty bias (a 500 before)."""
+    code, answer, _ = post(servers["sequential"], CHAT, chat(logit_bias={}))
+    assert code == 200 and answer["usage"]["completion_tokens"] == 3
 
 
 def test_continuous_batching_refuses_what_its_batch_does_not_apply(servers):

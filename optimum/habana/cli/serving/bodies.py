@@ -137,6 +137,8 @@ class ChatCompletionRequest(Generation):
         body = self.model_dump(
             include=fields, exclude_none=True, exclude={"messages": {"__all__": {"name", "refusal"}}}
         )
+        if not self.logit_bias:
+            body.pop("logit_bias", None)  # {} biases nothing (transformers' processor refuses an empty one)
         if self.tools and self.tool_choice != "none":  # OpenAI's "none": the model is offered no tool
             body["tools"] = [tool.model_dump(exclude_none=True) for tool in self.tools]
         return body
@@ -224,6 +226,8 @@ def item_kind(value: Any) -> str | None:
     if "role" in value:
         return "message"
     kind = value.get("type")
+    if not isinstance(kind, str):  # a list or an object is no tag (and unhashable: no TypeError from here)
+        return None
     if kind in ("input_text", "output_text", "text"):
         return "input_text"
     return kind if kind in ITEM_TAGS else None
