@@ -22,7 +22,16 @@ INSTALL_REQUIRES = [
 
 EXTRAS = {
     # What the scripts in examples/ and their code, `optimum.habana.cli`, need.
-    "examples": ["datasets>=3", "peft>=0.17", "tqdm>=4.60", "tabulate>=0.9", "matplotlib>=3.8"],
+    # aiohttp, psutil: examples/serving/load_test.py's clients and the server's resident memory.
+    "examples": [
+        "datasets>=3",
+        "peft>=0.17",
+        "tqdm>=4.60",
+        "tabulate>=0.9",
+        "matplotlib>=3.8",
+        "aiohttp>=3.9",
+        "psutil>=5.9",
+    ],
     # filelock: tests/generation/test_multi_device.py starts its multi-process runs once per session, even under
     # xdist. trl: tests/finetuning/test_trl.py trains with TRL's SFTTrainer (1.16 installs with the pinned torch and
     # transformers). parameterized: transformers' own model tests (tests/transformers_suite) import it.
