@@ -126,6 +126,14 @@ def test_an_empty_logit_bias_biases_nothing(servers):
     assert code == 200 and answer["usage"]["completion_tokens"] == 3
 
 
+def test_responses_input_may_start_with_a_function_call(server):
+    """Found by the long fuzz run: transformers read such an array as text parts (a KeyError, a 500)."""
+    call = {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"}
+    body = {"input": [call, {"role": "user", "content": "Hello"}], "max_output_tokens": 3}
+    code, answer, _ = post(server, RESPONSES, body)
+    assert code == 200 and answer["status"] == "completed", answer
+
+
 def test_continuous_batching_refuses_what_its_batch_does_not_apply(servers):
     server = servers["cb"]
     error = refused(server, CHAT, chat(generation_config={"num_beams": 2}), "generation_config.num_beams")

@@ -104,6 +104,21 @@ class GaudiResponseHandler(CheckedHandler, ResponseHandler):
 
     endpoint = "response"
 
+    @staticmethod
+    def _normalize_input(body: dict) -> list[dict]:
+        """transformers' reading of `input`, except that an array is always items: transformers read an array whose
+        first item has no `role` (a function_call) as text parts, and failed on the messages after it (a KeyError).
+        `bodies` hands text parts over as one user message."""
+        if not isinstance(body["input"], list):
+            return ResponseHandler._normalize_input(body)
+        messages = ResponseHandler._normalize_response_items(body["input"])
+        instructions = body.get("instructions")
+        if instructions and messages and messages[0]["role"] == "system":
+            messages[0]["content"] = instructions
+        elif instructions:
+            messages.insert(0, {"role": "system", "content": instructions})
+        return messages
+
 
 async def finish_stream(chunks: AsyncIterator[str]) -> AsyncIterator[str]:
     """The handler's events with OpenAI's error shape, then `data: [DONE]`."""
