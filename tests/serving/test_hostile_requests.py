@@ -102,6 +102,7 @@ HOSTILE = {
     "text-a-string": (RESPONSES, {"input": "Hello", "text": "hello"}, "text"),
     "text-format-json-object": (RESPONSES, {"input": "Hello", "text": {"format": {"type": "json_object"}}}, "text.format.type"),
     "input-item-type-a-list": (RESPONSES, {"input": [{"type": ["message"]}]}, "input[0]"),
+    "input-reasoning-only": (RESPONSES, {"input": [{"type": "reasoning", "summary": []}]}, "input"),
     "beams-with-a-stream": (
         CHAT,
         chat(stream=True, generation_config={"num_beams": 2}),

@@ -293,6 +293,8 @@ class ResponsesRequest(Generation):
                 raise problem(
                     "invalid_value", "mixes text parts with messages or items: give one or the other", "input"
                 )
+            if not self.instructions and all(isinstance(item, ReasoningItem) for item in self.input):
+                raise problem("invalid_value", "holds reasoning items only: give the conversation to answer", "input")
         return self
 
     def token_request(self) -> TokenRequest:

@@ -1,11 +1,13 @@
 """The request fields' types, written from OpenAI's API reference, each with the range this server honours.
 
 FastAPI publishes them in `/openapi.json` and pydantic checks every request against them before a handler runs, in
-strict mode: `"yes"` is not a boolean, `1e6` is not an integer, a number is not a string. Values outside a range,
+strict mode: `"yes"` is not a boolean, `1.5` is not an integer (`1e6` is, as JSON Schema says), a number is not a
+string. Values outside a range,
 strings that are not text (a lone surrogate, which no tokenizer encodes), numbers that are not finite and keys
 that are not token ids are refused with the field named (`checks.openai_error`). Three kinds of field beyond the
-honoured ones: `refused` (would change the answer, not implemented: a 400 when set), `only(...)` (honoured in the
-values given, a 400 otherwise) and fields documented as accepted and ignored (they only label a request).
+honoured ones: `refused` (would change the answer, not implemented: a 400 when set, published as null), `only(...)`
+(honoured in the values given, published as their enum, a 400 otherwise) and fields documented as accepted and
+ignored (they only label a request).
 """
 
 import inspect
