@@ -27,11 +27,29 @@ INSTALL_REQUIRES = [
 
 EXTRAS = {
     # What the scripts in examples/ and their code, `optimum.habana.cli`, need.
-    "examples": ["datasets>=3", "peft>=0.17", "tqdm>=4.60", "tabulate>=0.9", "matplotlib>=3.8"],
+    # aiohttp, psutil: examples/serving/load_test.py's clients and the server's resident memory.
+    "examples": [
+        "datasets>=3",
+        "peft>=0.17",
+        "tqdm>=4.60",
+        "tabulate>=0.9",
+        "matplotlib>=3.8",
+        "aiohttp>=3.9",
+        "psutil>=5.9",
+    ],
     # filelock: tests/generation/test_multi_device.py starts its multi-process runs once per session, even under
     # xdist. trl: tests/finetuning/test_trl.py trains with TRL's SFTTrainer (1.16 installs with the pinned torch and
     # transformers). parameterized: transformers' own model tests (tests/transformers_suite) import it.
-    "tests": ["pytest>=8", "pytest-xdist>=3", "ruff>=0.6", "filelock>=3", "trl>=1.16,<2", "parameterized>=0.9"],
+    # schemathesis: tests/serving/test_fuzz.py fuzzes the server's /openapi.json (4.x: its Python API and checks).
+    "tests": [
+        "pytest>=8",
+        "pytest-xdist>=3",
+        "ruff>=0.6",
+        "filelock>=3",
+        "trl>=1.16,<2",
+        "parameterized>=0.9",
+        "schemathesis>=4.3,<5",
+    ],
     # `python -m optimum.habana.serve`: transformers' server and its dependencies (fastapi, uvicorn, openai, ...).
     "serving": [f"transformers[serving]{TRANSFORMERS}"],
     # examples/text-generation/run_lm_eval.py: lm-evaluation-harness; 0.4.9.x (Optimum-Habana's pin) does not import

@@ -14,11 +14,11 @@ from tests.helpers import save_tiny_checkpoint
 from tests.serving.servers import free_port
 
 
-def run(argv: list[str], capsys) -> list[str]:
-    """The command's exit status must be 2; its stderr lines are returned."""
+def run(argv: list[str], capsys, status: int = 2) -> list[str]:
+    """The command's exit status must be `status`; its stderr lines are returned."""
     with pytest.raises(SystemExit) as exit_info:
         serve_main(argv)
-    assert exit_info.value.code == 2
+    assert exit_info.value.code == status
     return capsys.readouterr().err.strip().splitlines()
 
 
@@ -51,6 +51,12 @@ CASES = {
     "host": (["--host", "999.1.1.1"], ["--host '999.1.1.1'", "not an address"]),
     "chat-template-kwargs-not-json": (["--chat-template-kwargs", "{bad"], ["--chat-template-kwargs", "not JSON"]),
     "chat-template-kwargs-not-object": (["--chat-template-kwargs", "[1]"], ["--chat-template-kwargs", "object"]),
+    "chat-template-kwargs-handler-key": (
+        ["--chat-template-kwargs", '{"tokenize": false, "enable_thinking": true}'],
+        ["--chat-template-kwargs holds tokenize", "sets itself"],
+    ),
+    "api-key-empty": (["--api-key", ""], ["--api-key", "an empty one"]),
+    "api-key-with-a-space": (["--api-key", "two words"], ["--api-key", "printable ASCII without spaces"]),
     "dtype": (["--dtype", "float99"], ["--dtype 'float99'", "bfloat16"]),
     "quantization-method": (["--quantization", "gptq"], ["--quantization 'gptq'", "bnb-4bit"]),
     "attention": (["--attn-implementation", "flash_attention_2"], ["--attn-implementation 'flash_attention_2'"]),
@@ -105,3 +111,12 @@ def test_a_model_that_fails_to_load_is_one_line(tmp_path, capsys):
     lines = run([str(folder), "--port", str(free_port())], capsys)
     assert lines[-1].startswith(f"optimum.habana.serve: {folder} could not be loaded: RuntimeError: ")
     assert "Traceback" not in "\n".join(lines)
+
+
+def test_ctrl_c_while_the_model_loads_is_one_line(monkeypatch, capsys):
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(server, "GaudiModelManager", interrupted)
+    (line,) = run(["--port", str(free_port())], capsys, status=130)
+    assert line == "optimum.habana.serve: interrupted before serving (Ctrl-C); nothing was started."

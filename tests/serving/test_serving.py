@@ -159,7 +159,11 @@ def test_completions_and_responses_endpoints_answer_the_same_with_and_without_th
             422,
             "no_such_field",
         ),
-        (json.dumps({"model": "someone/else", "messages": []}).encode(), 404, "pinned"),
+        (
+            json.dumps({"model": "someone/else", "messages": [{"role": "user", "content": "hi"}]}).encode(),
+            404,
+            "pinned",
+        ),
     ],
     ids=["not-json", "unknown-field", "other-model"],
 )

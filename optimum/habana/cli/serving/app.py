@@ -1,8 +1,10 @@
 """What GaudiServe adds to the app transformers' `build_server` returns, and the uvicorn server that runs it.
 
-- Errors in OpenAI's shape (`{"error": {"message", "type", "param", "code"}}`): the checks' `RequestError`s, the
-  HTTP errors transformers and FastAPI raise (422 for a body that is not JSON or has an unknown field, 404, ...), a
+- Errors in OpenAI's shape (`{"error": {"message", "type", "param", "code"}}`): the request models' validation
+  errors and the checks' `RequestError`s (`checks`), the HTTP errors transformers and FastAPI raise (404, ...), a
   dead continuous-batching worker (503), and anything unexpected (500, its traceback in the log).
+- `ApiKey`, an ASGI middleware that, with `--api-key`, answers 401 to every request but `/health` that does not
+  carry `Authorization: Bearer <key>` (compared in constant time).
 - `RequestWatch`, an ASGI middleware around every generation request: it keeps the request's `InFlight` (see
   `generation`) and cancels it when the client disconnects, which transformers notices for streams only; two
   requests in flight under the same `x-request-id` would share one continuous-batching slot, so the second is
@@ -13,6 +15,7 @@
 """
 
 import asyncio
+import hmac
 import logging
 import uuid
 from collections.abc import Callable
@@ -25,25 +28,29 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 from transformers.cli.serving.utils import X_REQUEST_ID, CBWorkerDeadError
 
+from .bodies import BODIES
+from .checks import RequestError, error_body, openai_error
 from .generation import CURRENT_FLIGHT, DISCONNECT, InFlightRequests
-from .validation import RequestError, error_body
+from .routes import GENERATION_PATHS
 
 
 logger = logging.getLogger(__name__)
 
 
-GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses"})
+OPEN_PATHS = frozenset({"/health"})  # what answers without the API key
 SHUTDOWN_GRACE_S = 5  # after in-flight requests were cancelled, what uvicorn waits for before cancelling its tasks
 
 
-def install(app: FastAPI, requests: InFlightRequests) -> None:
-    """The error handlers and the request watch, on this app only (transformers' other apps are untouched)."""
+def install(app: FastAPI, requests: InFlightRequests, api_key: str | None = None) -> None:
+    """The error handlers, the request watch and the key, on this app only (transformers' other apps are untouched)."""
     app.add_exception_handler(RequestError, request_error)
     app.add_exception_handler(HTTPException, http_error)
     app.add_exception_handler(RequestValidationError, body_error)
     app.add_exception_handler(CBWorkerDeadError, worker_dead)
     app.add_exception_handler(Exception, unexpected_error)
     app.add_middleware(RequestWatch, requests=requests)
+    if api_key:
+        app.add_middleware(ApiKey, key=api_key)  # the outermost: nothing runs for a request without the key
 
 
 async def request_error(_request: Request, error: RequestError) -> JSONResponse:
@@ -52,22 +59,25 @@ async def request_error(_request: Request, error: RequestError) -> JSONResponse:
     return JSONResponse(error.body(), status_code=error.status)
 
 
-async def http_error(_request: Request, error: HTTPException) -> JSONResponse:
+async def http_error(request: Request, error: HTTPException) -> JSONResponse:
     detail = error.detail if isinstance(error.detail, str) else str(error.detail)
+    if error.status_code == 400 and detail == "There was an error parsing the body":  # FastAPI's words
+        detail = "The request body could not be read as JSON: send UTF-8 JSON text."
+    if error.status_code == 404 and detail == "Not Found":
+        detail = (
+            f"{request.url.path} is not served here: this server serves a text model at /v1/chat/completions, "
+            "/v1/completions, /v1/responses and /v1/models (/reset and /load_model need --enable-admin-routes)."
+        )
     return JSONResponse(error_body(detail, error.status_code), status_code=error.status_code, headers=error.headers)
 
 
-async def body_error(_request: Request, error: RequestValidationError) -> JSONResponse:
-    problems = error.errors()
-    first = problems[0] if problems else {}
-    if first.get("type") == "json_invalid":
-        reason = (first.get("ctx") or {}).get("error", "it does not parse")
-        message = f"The request body is not valid JSON: {reason}."
-    elif first.get("loc", ())[:1] == ("body",):
-        message = "The request body must be a JSON object of the endpoint's fields."
-    else:
-        message = "; ".join(str(problem.get("msg")) for problem in problems) or "The request is not valid."
-    return JSONResponse(error_body(message, 422, None, "invalid_request_body"), status_code=422)
+async def body_error(request: Request, error: RequestValidationError) -> JSONResponse:
+    """A body its request model refuses: a 4xx naming the field (`checks.openai_error`)."""
+    model = BODIES.get(GENERATION_PATHS.get(request.url.path, ""))
+    descriptions = {name: field.description for name, field in (model.model_fields if model else {}).items()}
+    refusal = openai_error(list(error.errors()), {name: text for name, text in descriptions.items() if text})
+    logger.warning("Refused (%d): %s", refusal.status, refusal.message)
+    return JSONResponse(refusal.body(), status_code=refusal.status)
 
 
 async def worker_dead(_request: Request, error: CBWorkerDeadError) -> JSONResponse:
@@ -78,6 +88,28 @@ async def worker_dead(_request: Request, error: CBWorkerDeadError) -> JSONRespon
 async def unexpected_error(_request: Request, error: Exception) -> JSONResponse:
     message = f"Internal error while serving the request ({type(error).__name__}: {error}); the server log has it."
     return JSONResponse(error_body(message, 500), status_code=500)
+
+
+class ApiKey:
+    """ASGI middleware: every route but a health check needs `Authorization: Bearer <key>` (a 401 otherwise)."""
+
+    def __init__(self, app: Callable, key: str) -> None:
+        self.app, self.expected = app, f"Bearer {key}".encode()
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http" or scope["path"] in OPEN_PATHS or scope["method"] == "OPTIONS":
+            await self.app(scope, receive, send)  # a CORS preflight carries no credentials
+            return
+        given = next((value for name, value in scope["headers"] if name.lower() == b"authorization"), b"")
+        if hmac.compare_digest(given, self.expected):
+            await self.app(scope, receive, send)
+            return
+        what = "No API key was given" if not given else "The API key given is not this server's"
+        message = f"{what}: send it as the header `Authorization: Bearer <key>` (the server's --api-key)."
+        answer = JSONResponse(
+            error_body(message, 401, None, "invalid_api_key"), 401, headers={"WWW-Authenticate": "Bearer"}
+        )
+        await answer(scope, receive, send)
 
 
 class RequestWatch:

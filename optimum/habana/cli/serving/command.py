@@ -33,6 +33,40 @@ def fail(message: str) -> None:
     raise typer.Exit(2)
 
 
+API_KEY_ENV = "OPTIMUM_HABANA_API_KEY"  # as server.API_KEY_ENV (imported lazily there)
+OWN_PARAMETERS = [
+    inspect.Parameter(
+        "api_key",
+        inspect.Parameter.KEYWORD_ONLY,
+        default=None,
+        annotation=Annotated[
+            str | None,
+            typer.Option(
+                "--api-key",
+                envvar=API_KEY_ENV,
+                show_envvar=True,
+                show_default=False,
+                help="Every route but /health then needs `Authorization: Bearer <key>` (401 otherwise). Prefer the "
+                f"environment variable {API_KEY_ENV}: a command line is visible to the machine's other users.",
+            ),
+        ],
+    ),
+    inspect.Parameter(
+        "admin_routes",
+        inspect.Parameter.KEYWORD_ONLY,
+        default=False,
+        annotation=Annotated[
+            bool,
+            typer.Option(
+                "--enable-admin-routes",
+                help="Keep transformers' /reset (unloads the served model for every client) and /load_model "
+                "(for the served model only: the server is pinned to it); off, they are 404.",
+            ),
+        ],
+    ),
+]
+
+
 def serve(**options: Any) -> None:
     from .server import GaudiServe, ModelLoadError
 
@@ -41,6 +75,9 @@ def serve(**options: Any) -> None:
         GaudiServe(attention_flags=flags, **options)
     except (ValueError, OSError, ModelLoadError) as error:  # ServeOptionError, a family without a Gaudi class, ...
         fail(str(error))
+    except KeyboardInterrupt:  # Ctrl-C before uvicorn serves (while the model loads); uvicorn handles it after
+        typer.echo("optimum.habana.serve: interrupted before serving (Ctrl-C); nothing was started.", err=True)
+        raise typer.Exit(130) from None
 
 
 def command() -> typer.Typer:
@@ -48,7 +85,7 @@ def command() -> typer.Typer:
     from .server import SERVE_PARAMETERS
 
     parameters = [parameter.replace(kind=inspect.Parameter.KEYWORD_ONLY) for parameter in SERVE_PARAMETERS]
-    parameters += [flag_parameter(name) for name in ATTENTION_FLAG_NAMES]
+    parameters += OWN_PARAMETERS + [flag_parameter(name) for name in ATTENTION_FLAG_NAMES]
     serve.__signature__ = inspect.Signature(parameters)  # typer reads the options from it
     serve.__doc__ = (
         "Serve MODEL (default: the embedded "

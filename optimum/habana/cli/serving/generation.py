@@ -17,6 +17,7 @@ call the managers with the tokenized prompt and the generation config only.
 
 import asyncio
 import contextvars
+import copy
 import logging
 import threading
 import uuid
@@ -27,7 +28,7 @@ import torch
 from transformers import GenerationConfig, PreTrainedModel, StoppingCriteria, StoppingCriteriaList
 from transformers.cli.serving.utils import CBGenerateManager, GenerateManager, GenerationState, _StreamError
 
-from .validation import RequestError, TokenRequest
+from .checks import RequestError, TokenRequest
 
 
 logger = logging.getLogger(__name__)
@@ -260,8 +261,20 @@ class GaudiGenerateManager(BoundedStreaming, GenerateManager):
         return await until_cancelled(generation)
 
 
+def shared_generation_config(model_config: GenerationConfig) -> GenerationConfig:
+    """The generation settings a continuous-batching engine shares among its requests: the model's generation config
+    with the server's flags (transformers takes those of whichever request starts the engine)."""
+    config = copy.deepcopy(model_config)
+    config.use_cache = False  # the engine's paged cache
+    return config
+
+
 class GaudiCBGenerateManager(BoundedStreaming, CBGenerateManager):
-    """transformers' continuous-batching manager, which refuses what its cache cannot hold, and cancels."""
+    """transformers' continuous-batching manager, which refuses what its cache cannot hold, and cancels; its engine
+    runs with the server's generation settings, whichever request comes first."""
+
+    def init_cb(self, model: PreTrainedModel, gen_config: GenerationConfig | None = None) -> None:
+        super().init_cb(model, shared_generation_config(model.generation_config))
 
     def cache(self) -> tuple[int, int] | None:
         """(blocks, tokens per block) of the paged cache: the built one's, else the configured, else unknown."""

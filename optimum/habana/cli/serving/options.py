@@ -19,6 +19,8 @@ from optimum.habana import hpu
 from optimum.habana.cli.common import json_object
 from optimum.habana.utils.model_loading import ModelResolutionError, resolve_model
 
+from .fields import TEMPLATE_PARAMETERS
+
 
 class ServeOptionError(ValueError):
     """A start-up option that cannot work; its message names the option and what to give instead."""
@@ -138,9 +140,27 @@ def chat_template_kwargs(text: str | None) -> dict[str, Any]:
     if not text:
         return {}
     try:
-        return json_object(text, "--chat-template-kwargs")
+        variables = json_object(text, "--chat-template-kwargs")
     except ValueError as error:
         raise ServeOptionError(str(error)) from None
+    taken = sorted(TEMPLATE_PARAMETERS & set(variables))
+    if taken:
+        raise ServeOptionError(
+            f"--chat-template-kwargs holds {', '.join(taken)}, which the server sets itself: give only the chat "
+            'template\'s variables (e.g. {"enable_thinking": true}).'
+        )
+    return variables
+
+
+def check_api_key(key: str | None) -> None:
+    """`--api-key`: what a client can send in an HTTP header (printable ASCII, no spaces), and not empty."""
+    if key is None:
+        return
+    if not key or not all(33 <= ord(character) <= 126 for character in key):
+        raise ServeOptionError(
+            "--api-key must be printable ASCII without spaces (it travels as `Authorization: Bearer <key>`), "
+            f"got {'an empty one' if not key else 'other characters'}."
+        )
 
 
 def check_address(host: str, port: int) -> None:

@@ -11,9 +11,10 @@ configures it. Two things are ours:
 - `GaudiServe`, transformers' `Serve` with that manager. `Serve.__init__` builds its manager itself, with no
   parameter for the class, so `GaudiServe.__init__` assembles the same parts in the same order. It takes exactly
   `Serve`'s options, plus the flags: an option a later transformers adds is refused by name, never ignored.
-  Into that assembly go the request checks (`handlers`, `validation`), bounded and cancellable generation
-  (`generation`), OpenAI-shaped errors, disconnect and shutdown handling (`app`), and the start-up checks
-  (`options`), which run before the model loads.
+  Into that assembly go the declared routes (`routes`: the request models of `bodies` and `fields`, the doors
+  closed), the request checks (`handlers`, `checks`), bounded and cancellable generation (`generation`), a
+  continuous-batching cache sized to the work (`cache`), OpenAI-shaped errors, the API key, disconnect and
+  shutdown handling (`app`), and the start-up checks (`options`), which run before the model loads.
 
 transformers is not patched: `transformers serve` in the same process still loads the stock classes.
 """
@@ -35,10 +36,11 @@ from optimum.habana.transformers.modeling_utils import ATTENTION_IMPLEMENTATIONS
 from optimum.habana.utils.model_loading import DEFAULT_MODEL_NAME, resolve_model
 from optimum.habana.utils.pretrained import load_tokenizer
 
+from .cache import describe_cache, sized_for_cpu
+from .checks import ServedModel
 from .generation import SHUTDOWN, GaudiGenerationState, InFlightRequests, context_length
-from .options import ServeOptionError, check_serve_options
+from .options import ServeOptionError, check_api_key, check_serve_options
 from .options import chat_template_kwargs as parse_chat_template_kwargs
-from .validation import ServedModel
 
 
 logger = logging.getLogger(__name__)
@@ -189,7 +191,13 @@ class GaudiServe(Serve):
     model does not load.
     """
 
-    def __init__(self, attention_flags: Mapping[str, bool] | None = None, **options: Any) -> None:
+    def __init__(
+        self,
+        attention_flags: Mapping[str, bool] | None = None,
+        api_key: str | None = None,
+        admin_routes: bool = False,
+        **options: Any,
+    ) -> None:
         if not is_serve_available():
             raise ImportError(
                 "Serving needs transformers' serving dependencies (fastapi, uvicorn, openai, pydantic): "
@@ -205,12 +213,14 @@ class GaudiServe(Serve):
 
         from .app import SHUTDOWN_GRACE_S, GracefulServer, install
         from .handlers import GaudiChatCompletionHandler, GaudiCompletionHandler, GaudiResponseHandler
+        from .routes import declare_routes
 
         unknown = set(options) - {parameter.name for parameter in SERVE_PARAMETERS}
         if unknown:
             raise TypeError(f"GaudiServe got options that transformers serve does not have: {sorted(unknown)}")
         options = {parameter.name: parameter.default for parameter in SERVE_PARAMETERS} | options
         check_serve_options(options)
+        check_api_key(api_key)
         check_attention_options(options["attn_implementation"], attention_flags or {})
         manager_options = {name: options.pop(name) for name in MANAGER_OPTIONS}
         cb_options = {name: options.pop(f"cb_{name}") for name in CB_OPTIONS}
@@ -244,40 +254,57 @@ class GaudiServe(Serve):
             logger.debug("Loading %s failed.", model, exc_info=True)
             first_line = (str(error).strip().splitlines() or [""])[0]
             raise ModelLoadError(f"{model} could not be loaded: {type(error).__name__}: {first_line}") from error
+        served = self._model_manager.served
+        loaded, _ = self._model_manager.load_model_and_processor(self._model_manager.process_model_name(model))
+        if continuous_batching:
+            cb_options = sized_for_cpu(cb_options, loaded, served.context_length)
         self._requests = InFlightRequests()
         self._generation_state = GaudiGenerationState(
             continuous_batching=continuous_batching,
             compile=compile,
             cb_config=ContinuousBatchingConfig(**cb_options) if cb_options else None,
         )
-        shared = {"model_manager": self._model_manager, "generation_state": self._generation_state}
-        self._chat_handler = GaudiChatCompletionHandler(**shared, chat_template_kwargs=chat_template_kwargs)
-        self._completion_handler = GaudiCompletionHandler(**shared)
-        self._response_handler = GaudiResponseHandler(**shared, chat_template_kwargs=chat_template_kwargs)
-        self._transcription_handler = TranscriptionHandler(self._model_manager, self._generation_state)
-        self._systemone_handler = SystemOneHandler(
-            **shared, chat_template_kwargs=chat_template_kwargs, decision_config=decision_config
-        )
-        app = build_server(
-            self._model_manager,
-            self._chat_handler,
-            completion_handler=self._completion_handler,
-            response_handler=self._response_handler,
-            transcription_handler=self._transcription_handler,
-            systemone_handler=self._systemone_handler,
-            generation_state=self._generation_state,
-            enable_cors=enable_cors,
-        )
-        install(app, self._requests)
-        config = uvicorn.Config(
-            app, host=host, port=port, log_level="info", timeout_graceful_shutdown=SHUTDOWN_GRACE_S
-        )
-        self.server = GracefulServer(config, on_shutdown=lambda: self._requests.cancel_all(SHUTDOWN))
+        try:  # a Ctrl-C or a failure while the engine starts leaves nothing running
+            if served.continuous_batching:  # the engine starts now, with the server's settings: its cache is known
+                engine = self._generation_state.get_manager(served.name, use_cb=True)
+                engine.init_cb(loaded)
+                logger.warning("Continuous batching: %s.", describe_cache(engine))
+            shared = {"model_manager": self._model_manager, "generation_state": self._generation_state}
+            self._chat_handler = GaudiChatCompletionHandler(**shared, chat_template_kwargs=chat_template_kwargs)
+            self._completion_handler = GaudiCompletionHandler(**shared)
+            self._response_handler = GaudiResponseHandler(**shared, chat_template_kwargs=chat_template_kwargs)
+            self._transcription_handler = TranscriptionHandler(self._model_manager, self._generation_state)
+            self._systemone_handler = SystemOneHandler(
+                **shared, chat_template_kwargs=chat_template_kwargs, decision_config=decision_config
+            )
+            app = build_server(
+                self._model_manager,
+                self._chat_handler,
+                completion_handler=self._completion_handler,
+                response_handler=self._response_handler,
+                transcription_handler=self._transcription_handler,
+                systemone_handler=self._systemone_handler,
+                generation_state=self._generation_state,
+                enable_cors=enable_cors,
+            )
+            handlers = {"chat": self._chat_handler, "completion": self._completion_handler}
+            declare_routes(app, handlers | {"response": self._response_handler}, self._model_manager, admin_routes)
+            install(app, self._requests, api_key)
+            announce_doors(host, port, api_key, admin_routes)
+            config = uvicorn.Config(
+                app, host=host, port=port, log_level="info", timeout_graceful_shutdown=SHUTDOWN_GRACE_S
+            )
+            self.server = GracefulServer(config, on_shutdown=lambda: self._requests.cancel_all(SHUTDOWN))
+        except BaseException:
+            self._generation_state.shutdown()
+            raise
         if non_blocking:
             self.start_server()
         else:
             try:
                 self.server.run()
+            except KeyboardInterrupt:  # uvicorn shut down on Ctrl-C, then raised it again: exit as interrupted
+                raise SystemExit(130) from None
             finally:
                 self._generation_state.shutdown()
 
@@ -285,6 +312,24 @@ class GaudiServe(Serve):
         """transformers' `kill_server`, once every request in flight was cancelled (each gets its error)."""
         self._requests.cancel_all(SHUTDOWN)
         super().kill_server()
+
+
+def announce_doors(host: str, port: int, api_key: str | None, admin_routes: bool) -> None:
+    """The start-up lines that say who may use the server."""
+    if api_key:
+        logger.warning("API key required: every route but /health answers 401 without `Authorization: Bearer <key>`.")
+    else:
+        logger.warning(
+            "No API key: any client that reaches %s:%s is served (--api-key or %s to require one).",
+            host,
+            port,
+            API_KEY_ENV,
+        )
+    if admin_routes:
+        logger.warning("Admin routes on: /reset and /load_model answer %s.", "key holders" if api_key else "anyone")
+
+
+API_KEY_ENV = "OPTIMUM_HABANA_API_KEY"
 
 
 SERVE_DEFAULTS = {parameter.name: parameter.default for parameter in SERVE_PARAMETERS}
