@@ -23,6 +23,7 @@ from optimum.habana.cli.adapters import apply_peft_adapter, check_adapter_folder
 from optimum.habana.cli.common import exit_on_interrupt_or_oom, missing_extra
 from optimum.habana.cli.generation import multi_process
 from optimum.habana.cli.generation.arguments import resolve_execution, usage_error
+from optimum.habana.cli.generation.capture import compile_backend
 from optimum.habana.cli.generation.explain import explain
 from optimum.habana.cli.generation.generation_config import kv_cache_layout
 from optimum.habana.cli.generation.report import format_bytes
@@ -121,7 +122,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         attention=script.attention.attention_flags().as_dict(),
         buckets=evaluation_buckets(arguments, device),
         cache_layout=kv_cache_layout(script, device),
-        torch_compile=execution.torch_compile,
+        compile_backend=compile_backend(execution, device) if execution.torch_compile else None,
         max_gen_toks=script.workload.max_new_tokens if "max_new_tokens" in given else LM_EVAL_MAX_GEN_TOKS,
     )
     lm = GaudiEvalLM(

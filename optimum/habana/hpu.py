@@ -12,6 +12,10 @@ from typing import Any, Literal
 import torch
 
 
+# torch.compile's backend for Gaudi, registered by habana_frameworks.
+COMPILE_BACKEND = "hpu_backend"
+
+
 @dataclass(frozen=True)
 class HPUKernel:
     """Habana's FusedSDPA and the calling convention of the installed Gaudi software."""

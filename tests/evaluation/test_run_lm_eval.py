@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
 from transformers import AutoTokenizer
 
 from optimum.habana.cli.evaluation.lm_eval.arguments import (
@@ -101,6 +102,11 @@ def assert_same_scores(first: dict, second: dict) -> None:
             assert second_rows[task][metric] == pytest.approx(value, rel=1e-5), (task, metric)
     assert first_rows["flash_mc"]["acc"] == second_rows["flash_mc"]["acc"]
     assert first_rows["flash_mc"]["acc_norm"] == second_rows["flash_mc"]["acc_norm"]
+
+
+def assert_same_scores_of(first: dict, second: dict, task: str) -> None:
+    for metric, value in score_rows(first)[task].items():
+        assert score_rows(second)[task][metric] == pytest.approx(value, rel=1e-5), (task, metric)
 
 
 def test_shipped_tasks_run_offline_with_equal_scores_flag_on_and_off(runs):
@@ -205,6 +211,25 @@ def test_generate_until_gives_the_same_answers_with_every_kv_cache_layout(script
     no_cache, _ = evaluate(script, [*base, "--use_kv_cache", "False"], tmp_path / "no_cache.json")
     answers.append([sample["resps"] for sample in no_cache["samples"]["my_sums"]])
     assert all(answer == answers[0] for answer in answers)
+
+
+def test_torch_compile_with_its_backend_compiles_both_request_types_and_keeps_the_answers(script, tiny, tmp_path):
+    folder = write_user_task(tmp_path / "tasks")
+    base = ["--tasks", "flash_mc", "my_sums", "-L", "2", "--include_path", str(folder), "--log_samples"]
+    base += ["--model_name_or_path", str(tiny), "--batch_size", "2", "--use_flash_attention", "--buckets", "32"]
+    eager, _ = evaluate(script, base, tmp_path / "eager.json")
+    torch._dynamo.reset()
+    counters.clear()
+    # No attention spy here: dynamo would guard on the spy's list of calls and recompile at every call.
+    compiled_argv = [*base, "--torch_compile", "--torch_compile_backend", "eager", "-o", str(tmp_path / "c.json")]
+    assert script.main(compiled_argv) == 0
+    compiled = json.loads((tmp_path / "c.json").read_text())
+    assert counters["stats"]["unique_graphs"] >= 2  # the log-likelihood forward and generate()'s decode step
+    assert not counters["graph_break"]
+    assert compiled["args"]["torch_compile_backend"] == "eager"
+    assert_same_scores_of(eager, compiled, "flash_mc")
+    answers = [[sample["resps"] for sample in run["samples"]["my_sums"]] for run in (eager, compiled)]
+    assert answers[0] == answers[1]
 
 
 def test_a_hub_task_offline_fails_with_one_line_before_the_model_loads(tiny, tmp_path):

@@ -29,6 +29,14 @@ BAD_INPUTS = {
     "two prompt sources": (["--prompt", "Hi", "--book_source"], "--prompt and --book_source both give the prompt"),
     "missing prompt file": (["--prompt_file", "/no/such/file.txt"], "--prompt_file '/no/such/file.txt': no such file"),
     "hpu graphs with compile": (["--use_hpu_graphs", "--torch_compile"], "choose one"),
+    "compile backend without compile": (
+        ["--torch_compile_backend", "eager"],
+        "--torch_compile_backend eager picks torch.compile's backend: add --torch_compile.",
+    ),
+    "unknown compile backend": (
+        ["--torch_compile", "--torch_compile_backend", "inductr"],
+        "--torch_compile_backend inductr is not a torch.compile backend; choose one of: ",
+    ),
     "empty prompt": (["--prompt", "Hello", "  "], "--prompt number 2 is empty"),
     "recompute without flash": (
         ["--flash_attention_recompute"],

@@ -11,10 +11,13 @@ import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 from torch._dynamo.utils import counters
+from transformers import GenerationConfig
 
 from optimum.habana import GaudiLlamaForCausalLM, hpu
 from optimum.habana.cli.common import LONG_PROMPT_PATH
 from optimum.habana.cli.generation import generation_config
+from optimum.habana.cli.generation.arguments import flag_notes
+from optimum.habana.cli.generation.capture import compile_backend
 from optimum.habana.cli.generation.explain import explain
 from optimum.habana.cli.generation.generation_config import build_generation_config, compile_config_for
 from optimum.habana.transformers import attention
@@ -196,6 +199,21 @@ def test_flags_without_effect_here_print_one_note(script, tiny_checkpoint, tmp_p
     assert capsys.readouterr().err.count(NOTES[flag]) == 1
     assert outputs(noted) == outputs(plain)
     torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(False)
+
+
+def test_gaudis_compile_backend_elsewhere_is_inductor_and_says_so():
+    """Optimum-Habana's commands pass --torch_compile_backend hpu_backend; off Gaudi it would fail inside dynamo."""
+    arguments = parse(["--torch_compile", "--torch_compile_backend", "hpu_backend"])
+    cpu = torch.device("cpu")
+    notes = flag_notes(arguments, cpu, torch.float32)
+    assert "--torch_compile_backend hpu_backend: Gaudi's compiler; on cpu torch.compile uses inductor." in notes
+    assert compile_backend(arguments.execution, cpu) == "inductor"
+    assert compile_backend(arguments.execution, torch.device("hpu")) == "hpu_backend"
+    config = build_generation_config(GenerationConfig(), arguments, 0, cpu)
+    assert config.compile_config.backend == "inductor"
+    eager = parse(["--torch_compile", "--torch_compile_backend", "eager"])
+    assert build_generation_config(GenerationConfig(), eager, 0, cpu).compile_config.backend == "eager"
+    assert not any("torch_compile_backend" in note for note in flag_notes(eager, cpu, torch.float32))
 
 
 def test_bf16_on_a_cpu_that_emulates_it_says_so_once(script, tiny_checkpoint, tmp_path, capsys, monkeypatch):

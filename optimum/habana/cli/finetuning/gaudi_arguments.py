@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from transformers import TrainerCallback
 
+from optimum.habana import hpu
 from optimum.habana.transformers.modeling_utils import ATTENTION_IMPLEMENTATIONS
 
 
@@ -142,10 +143,10 @@ def apply_gaudi_training_arguments(
             f"--context_parallel_size {arguments.context_parallel_size}: one process here, so every sequence "
             "trains whole on this device (with --use_flash_attention its attention memory grows linearly)."
         )
-    if training_args.torch_compile_backend == "hpu_backend" and not on_hpu:
+    if training_args.torch_compile_backend == hpu.COMPILE_BACKEND and not on_hpu:
         training_args.torch_compile_backend = "inductor"
         notes.append(
-            f"--torch_compile_backend hpu_backend: Gaudi's compiler; no Gaudi here, so torch.compile uses inductor "
+            f"--torch_compile_backend {hpu.COMPILE_BACKEND}: Gaudi's compiler; no Gaudi here, so torch.compile uses inductor "
             f"on {device.type}."
         )
     if arguments.use_habana and not on_hpu:

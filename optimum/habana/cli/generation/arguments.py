@@ -15,6 +15,7 @@ from transformers import (
     HfArgumentParser,
 )
 
+from optimum.habana import hpu
 from optimum.habana.cli.common import AttentionArguments, check_finite_numbers, check_seed
 from optimum.habana.utils.devices import DEVICE_CHOICES, default_dtype, resolve_device, slow_bf16_note
 
@@ -360,6 +361,7 @@ def validate_arguments(arguments: ScriptArguments) -> None:
         raise ValueError(f"--top_k must be 0 (off) or more, got {workload.top_k}.")
     if execution.use_hpu_graphs and execution.torch_compile:
         raise ValueError("--use_hpu_graphs and --torch_compile are two ways to capture the model: choose one.")
+    check_compile_backend(execution)
     if execution.bucket_internal and execution.bucket_size <= 0:
         raise ValueError("--bucket_internal slices a bucketed cache: add --bucket_size N (e.g. 128).")
     if not workload.use_kv_cache:
@@ -371,6 +373,21 @@ def validate_arguments(arguments: ScriptArguments) -> None:
             raise ValueError(
                 f"{', '.join(given)} shape(s) the KV cache, and --use_kv_cache False turns it off: drop one of them."
             )
+
+
+def check_compile_backend(execution: ExecutionArguments) -> None:
+    """--torch_compile_backend names a backend torch.compile knows (or Gaudi's), and comes with --torch_compile."""
+    backend = execution.torch_compile_backend
+    if backend is None:
+        return
+    if not execution.torch_compile:
+        raise ValueError(f"--torch_compile_backend {backend} picks torch.compile's backend: add --torch_compile.")
+    known = {*torch._dynamo.list_backends(exclude_tags=()), hpu.COMPILE_BACKEND}
+    if backend not in known:
+        raise ValueError(
+            f"--torch_compile_backend {backend} is not a torch.compile backend; choose one of: "
+            f"{', '.join(sorted(known))}."
+        )
 
 
 def check_continuous_batching(arguments: ScriptArguments) -> None:
@@ -417,6 +434,11 @@ def flag_notes(arguments: ScriptArguments, device: torch.device, dtype: torch.dt
         notes.append(
             f"--use_hpu_graphs: HPU graphs exist on Gaudi only; on {device.type} the model runs without them "
             "(--torch_compile captures the prompt and the decode step as graphs here)."
+        )
+    if execution.torch_compile_backend == hpu.COMPILE_BACKEND and device.type != "hpu":
+        notes.append(
+            f"--torch_compile_backend {hpu.COMPILE_BACKEND}: Gaudi's compiler; on {device.type} torch.compile uses "
+            "inductor."
         )
     if execution.limit_hpu_graphs and not (execution.use_hpu_graphs and device.type == "hpu"):
         notes.append("--limit_hpu_graphs: no effect without HPU graphs (--use_hpu_graphs on a Gaudi device).")

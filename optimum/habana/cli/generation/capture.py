@@ -36,9 +36,11 @@ def capture(model: Any, execution: ExecutionArguments, device: torch.device) -> 
 
 
 def compile_backend(execution: ExecutionArguments, device: torch.device) -> str:
-    if execution.torch_compile_backend:
-        return execution.torch_compile_backend
-    return "hpu_backend" if device.type == "hpu" else "inductor"
+    """--torch_compile_backend, or the device's compiler; Gaudi's asked for elsewhere is inductor (a note says so)."""
+    backend = execution.torch_compile_backend
+    if backend is None or (backend == hpu.COMPILE_BACKEND and device.type != "hpu"):
+        return hpu.COMPILE_BACKEND if device.type == "hpu" else "inductor"
+    return backend
 
 
 def compile_prompt(model: Any, backend: str) -> None:

@@ -12,10 +12,12 @@ from transformers import (
 )
 from transformers.cache_utils import Cache, StaticCache
 
+from optimum.habana import hpu
 from optimum.habana.transformers.cache import BucketedStaticCache
 from optimum.habana.transformers.generation import GaudiGenerationConfig
 
 from .arguments import SAMPLING_ARGUMENTS, ScriptArguments
+from .capture import compile_backend
 
 
 def build_generation_config(
@@ -57,7 +59,7 @@ def build_generation_config(
         values["cache_implementation"] = "static"  # compiled code and recorded graphs are only reused for one shape
     config = GaudiGenerationConfig.from_dict(values)
     if execution.torch_compile:
-        config.compile_config = compile_config_for(device, execution.torch_compile_backend)
+        config.compile_config = compile_config_for(device, compile_backend(execution, device))
     return config
 
 
@@ -135,7 +137,7 @@ class KVCacheSupply:
 def compile_config_for(device: torch.device, backend: str | None = None) -> CompileConfig:
     """transformers compiles the decode step itself once the cache is static; on CPU and HPU only when told to."""
     if device.type == "hpu":
-        config = CompileConfig(backend=backend or "hpu_backend", mode="default")
+        config = CompileConfig(backend=backend or hpu.COMPILE_BACKEND, mode="default")
     else:
         config = CompileConfig(backend=backend or "inductor")
     config._compile_all_devices = True  # private flag: without it generate() skips compilation on CPU and HPU

@@ -262,7 +262,8 @@ ACTING = {
     *(dataclass_field.name for dataclass_field in dataclasses.fields(ModelArguments)),
     *(dataclass_field.name for dataclass_field in dataclasses.fields(ParallelArguments)),
     *("batch_size", "max_input_tokens", "max_new_tokens", "chat", "do_sample", "num_beams", *SAMPLING_ARGUMENTS),
-    *("use_kv_cache", "trim_logits", "seed", "bf16", "device", "static_shapes", "torch_compile", "use_hpu_graphs"),
+    *("use_kv_cache", "trim_logits", "seed", "bf16", "device", "static_shapes", "use_hpu_graphs"),
+    *("torch_compile", "torch_compile_backend"),
     *("bucket_size", "bucket_internal", "limit_hpu_graphs", "sdp_on_bf16", "attn_batch_split", "warmup", "explain"),
 }
 

@@ -53,7 +53,7 @@ class EvalOptions:
     attention: dict[str, bool]  # the five attention flags, each given explicitly
     buckets: tuple[int, ...] = ()  # empty: every batch keeps its own length
     cache_layout: CacheLayout = CacheLayout("dynamic")  # generate_until's KV cache
-    torch_compile: bool = False
+    compile_backend: str | None = None  # torch.compile's backend; None: nothing is compiled
     max_gen_toks: int = LM_EVAL_MAX_GEN_TOKS  # default for generate_until requests whose task sets none
 
 
@@ -77,7 +77,9 @@ class GaudiEvalLM(HFLM):
         self.buckets = Buckets(options.buckets) if options.buckets else None
         self._model_info = dict(model_info or {})
         # torch.compile(model) returns a wrapper sharing the model's weights; generate() compiles through its config.
-        self._forward = torch.compile(model) if options.torch_compile else model
+        self._forward = (
+            model if options.compile_backend is None else torch.compile(model, backend=options.compile_backend)
+        )
         self._pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
 
     @property
@@ -140,8 +142,8 @@ class GaudiEvalLM(HFLM):
         if layout.kind == "static" and not layout.reused:
             values["cache_implementation"] = "static"
         config = GaudiGenerationConfig.from_dict(values)
-        if self.options.torch_compile:
-            config.compile_config = compile_config_for(self.device)
+        if self.options.compile_backend is not None:
+            config.compile_config = compile_config_for(self.device, self.options.compile_backend)
         return config
 
     def warm_up(self) -> int:
