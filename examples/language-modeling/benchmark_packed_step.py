@@ -1,15 +1,19 @@
 #!/usr/bin/env python
-"""One padding-free packed training step (forward + backward), per attention path, against the floor.
+"""One training step (forward + backward) of a padding-free packed batch, or a padded one, per attention path,
+against the floor.
 
     python examples/language-modeling/benchmark_packed_step.py --examples 8 --example_tokens 1024
+    python examples/language-modeling/benchmark_packed_step.py --torch_compile --batch padded
 
 The batch is `--examples` random examples of `--example_tokens` tokens packed into one row by transformers'
-`DataCollatorWithFlattening` (position ids restarting per example), on a synthetic preset (real attention geometry,
-random weights, `--layers` layers; see benchmark_flash_attention.py) with gradient checkpointing. Each path runs in
-a fresh process: the first step gives the extra memory (peak resident memory above what the built model holds),
-the second the step time. Paths: `floor` (attention replaced by a pass-through of V: what no attention can go
-below), `flash` (this library, --use_flash_attention), `default` (this library's matmul-softmax), `sdpa` and
-`eager` (stock transformers). Prints a Markdown table and the flash / floor ratios; docs/fine_tuning.md shows one.
+`DataCollatorWithFlattening` (position ids restarting per example), or with `--batch padded` one row per example,
+right-padded (row i loses i / (2 x --examples) of its tokens to padding), on a synthetic preset (real attention
+geometry, random weights, `--layers` layers; see benchmark_flash_attention.py) with gradient checkpointing. Each path
+runs in a fresh process: the first step gives the extra memory (peak resident memory above what the built model
+holds), the second the step time. With `--torch_compile` the model is compiled (fullgraph) and a first step compiles
+it; the peak is then reset (/proc/self/clear_refs) before the measured steps. Paths: `floor` (attention replaced by
+a pass-through of V: what no attention can go below), `flash` (this library, --use_flash_attention), `default` (this
+library's matmul-softmax), `sdpa` and `eager` (stock transformers). Prints a Markdown table and the flash / floor ratios; docs/fine_tuning.md shows one.
 """
 
 import argparse
@@ -39,6 +43,11 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--intermediate_size", type=int, default=1536)
     parser.add_argument("--examples", type=int, default=8)
     parser.add_argument("--example_tokens", type=int, default=1024)
+    parser.add_argument(
+        "--batch", choices=("packed", "padded"), default="packed", help="Padding-free packed row, or padded rows."
+    )
+    parser.add_argument("--torch_compile", action="store_true", help="Compile the model (fullgraph) first.")
+    parser.add_argument("--torch_compile_backend", default=None, help="With --torch_compile (default: inductor).")
     parser.add_argument("--paths", nargs="+", choices=PATHS, default=list(PATHS))
     parser.add_argument("--threads", type=int, default=None, help="Torch threads per process (default: torch's).")
     parser.add_argument("--timeout", type=float, default=1800.0, help="Seconds per path; past it: timeout.")
@@ -47,11 +56,47 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
     for name in ("layers", "intermediate_size", "examples", "example_tokens"):
         if getattr(arguments, name) < 1:
             parser.error(f"--{name} must be at least 1, got {getattr(arguments, name)}.")
+    if arguments.torch_compile_backend is not None and not arguments.torch_compile:
+        parser.error(
+            f"--torch_compile_backend {arguments.torch_compile_backend} picks the backend: add --torch_compile."
+        )
+    arguments.torch_compile_backend = arguments.torch_compile_backend or "inductor"
     return arguments
 
 
 def peak_resident_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def status_bytes(field: str) -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(f"{field}:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def reset_peak_resident() -> None:
+    """Start the peak resident memory (VmHWM) again from the current one: compiling left its own peak behind."""
+    with open("/proc/self/clear_refs", "w") as clear_refs:
+        clear_refs.write("5")
+
+
+def training_batch(arguments: argparse.Namespace, vocab: int) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    rows = [
+        torch.randint(3, vocab, (arguments.example_tokens,), generator=generator) for _ in range(arguments.examples)
+    ]
+    if arguments.batch == "packed":
+        return DataCollatorWithFlattening()([{"input_ids": row.tolist(), "labels": row.tolist()} for row in rows])
+    input_ids = torch.stack(rows)
+    attention_mask = torch.ones_like(input_ids)
+    for index in range(arguments.examples):
+        attention_mask[
+            index, arguments.example_tokens - index * arguments.example_tokens // (2 * arguments.examples) :
+        ] = 0
+    labels = input_ids.masked_fill(attention_mask == 0, -100)
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
 
 
 def measure(arguments: argparse.Namespace) -> dict[str, float]:
@@ -63,19 +108,25 @@ def measure(arguments: argparse.Namespace) -> dict[str, float]:
     if arguments.worker == "flash":
         model.generation_config.use_flash_attention = True
     model.gradient_checkpointing_enable()
+    model.config.use_cache = False  # as a training run sets it: with checkpointing, a cache is only a warning
     model.train()
-    generator = torch.Generator().manual_seed(0)
-    vocab = model.config.vocab_size
-    rows = [
-        torch.randint(3, vocab, (arguments.example_tokens,), generator=generator) for _ in range(arguments.examples)
-    ]
-    batch = DataCollatorWithFlattening()([{"input_ids": row.tolist(), "labels": row.tolist()} for row in rows])
-    before = peak_resident_bytes()
-    model(**batch).loss.backward()
-    extra = peak_resident_bytes() - before
+    batch = training_batch(arguments, model.config.vocab_size)
+    step = model
+    if arguments.torch_compile:
+        step = torch.compile(model, fullgraph=True, dynamic=False, backend=arguments.torch_compile_backend)
+        step(**batch).loss.backward()  # compiles the forward and the backward
+        model.zero_grad(set_to_none=True)
+        reset_peak_resident()
+        before = status_bytes("VmRSS")
+        step(**batch).loss.backward()
+        extra = status_bytes("VmHWM") - before
+    else:
+        before = peak_resident_bytes()
+        step(**batch).loss.backward()
+        extra = peak_resident_bytes() - before
     model.zero_grad(set_to_none=True)
     start = time.perf_counter()
-    model(**batch).loss.backward()
+    step(**batch).loss.backward()
     return {"step_seconds": time.perf_counter() - start, "extra_memory_gib": extra / 1024**3}
 
 
@@ -123,9 +174,12 @@ def main(argv: list[str] | None = None) -> int:
             ]
         )
     tokens = arguments.examples * arguments.example_tokens
+    layout = f"packed into one row of {tokens}" if arguments.batch == "packed" else "right-padded, one row each"
+    compiled = f", torch.compile ({arguments.torch_compile_backend}, fullgraph)" if arguments.torch_compile else ""
+    threads = arguments.threads or torch.get_num_threads()
     print(
         f"{arguments.preset}, {arguments.layers} layers, {arguments.examples} examples x {arguments.example_tokens} "
-        f"tokens packed into one row of {tokens}, gradient checkpointing, fp32, torch threads {torch.get_num_threads() if not arguments.threads else arguments.threads}"
+        f"tokens {layout}, gradient checkpointing, fp32{compiled}, torch threads {threads}"
     )
     headers = ["Path", "Step [s]", "Extra memory [GiB]", "Step / floor", "Extra memory / floor"]
     print(tabulate(rows, headers=headers, tablefmt="github", disable_numparse=True))

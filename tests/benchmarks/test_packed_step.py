@@ -26,12 +26,38 @@ def test_packed_step_table_has_every_path_and_its_ratio_to_the_floor(script, cap
         assert float(cells[1]) > 0 and float(cells[3]) > 0
 
 
+def test_a_compiled_padded_step_is_measured(script, capsys):
+    argv = [
+        "--layers",
+        "1",
+        "--intermediate_size",
+        "64",
+        "--examples",
+        "2",
+        "--example_tokens",
+        "16",
+        "--threads",
+        "1",
+    ]
+    argv += ["--paths", "flash", "--batch", "padded", "--torch_compile", "--torch_compile_backend", "eager"]
+    assert script.main(argv) == 0, capsys.readouterr().err[-3000:]
+    lines = capsys.readouterr().out.splitlines()
+    assert "2 examples x 16 tokens right-padded, one row each" in lines[0]
+    assert "torch.compile (eager, fullgraph)" in lines[0]
+    rows = {line.split("|")[1].strip(): line for line in lines if line.startswith("| ") and "Path" not in line}
+    assert set(rows) == {"flash"}
+    assert float(rows["flash"].strip("|").split("|")[1]) > 0  # a step time, not "failed" or "timeout"
+
+
 def test_bad_values_are_usage_errors(script, capsys):
     with pytest.raises(SystemExit) as exit_info:
         script.main(["--examples", "0"])
     stderr = capsys.readouterr().err
     assert exit_info.value.code == 2 and "--examples must be at least 1, got 0" in stderr
     assert "Traceback" not in stderr
+    with pytest.raises(SystemExit):
+        script.main(["--torch_compile_backend", "eager"])
+    assert "--torch_compile_backend eager picks the backend: add --torch_compile." in capsys.readouterr().err
 
 
 def test_ctrl_c_is_one_line(script, capsys, monkeypatch):
