@@ -8,7 +8,8 @@ step (the same CompileConfig, fullgraph) twice over the same weights: as this li
 --use_flash_attention, and as stock transformers' class with attn_implementation="sdpa". Batches above 1 are
 left-padded prompts of different lengths. The runs alternate between the two; the table gives each one's median decode
 tokens/second (the prompt excluded), the ratio, and at batch 1 the read-bandwidth bound: the measured read bandwidth
-over the bytes a decode step must read (every weight once, and its static cache). docs/benchmarks.md shows one table.
+over the bytes a decode step must read (every weight once, and its static cache), and the rate of the weights'
+batch-1 matrix-vector products alone (eager, nothing else of the step). docs/benchmarks.md shows one table.
 """
 
 import argparse
@@ -25,6 +26,7 @@ from optimum.habana.cli.benchmarks.compiled_decode import (
     decode_run,
     median_run,
     read_bandwidth_bytes_per_second,
+    weight_gemv_seconds,
 )
 from optimum.habana.cli.common import exit_on_interrupt_or_oom
 from optimum.habana.cli.generation.prompts import DEFAULT_PROMPTS, prompts_for_batch
@@ -73,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
         f"threads {torch.get_num_threads()}"
     )
 
+    gemv_seconds = weight_gemv_seconds(ours)
     rows = []
     with exit_on_interrupt_or_oom(
         "benchmark_compiled_decode.py",
@@ -110,6 +113,7 @@ def main(argv: list[str] | None = None) -> int:
                     "flag / stock": f"{flag.decode_tokens_per_second / reference.decode_tokens_per_second:.2f}",
                     "read-bound tok/s": f"{bound * batch:.1f}" if batch == 1 else "-",
                     "flag / bound": f"{flag.decode_tokens_per_second / bound:.2f}" if batch == 1 else "-",
+                    "weight GEMVs alone tok/s": f"{1 / gemv_seconds:.1f}" if batch == 1 else "-",
                 }
             )
     print(tabulate(rows, headers="keys", tablefmt="github", disable_numparse=True))

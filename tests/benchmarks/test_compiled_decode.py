@@ -14,7 +14,13 @@ def test_smoke_run_prints_both_models_their_ratio_and_the_bound(tmp_path, capsys
     out = capsys.readouterr().out
     assert "Read bandwidth:" in out
     header = out.splitlines()[-4]
-    for column in ("flag decode tok/s", "stock sdpa decode tok/s", "flag / stock", "read-bound tok/s"):
+    for column in (
+        "flag decode tok/s",
+        "stock sdpa decode tok/s",
+        "flag / stock",
+        "read-bound tok/s",
+        "weight GEMVs alone tok/s",
+    ):
         assert column in header
     batch_one, batch_three = out.splitlines()[-2:]
     assert batch_one.split("|")[1].strip() == "1" and batch_one.split("|")[-2].strip() != "-"

@@ -70,6 +70,29 @@ def read_bandwidth_bytes_per_second(device: torch.device, gib: float = 1.0, repe
     return data.numel() * 4 / statistics.median(times)
 
 
+def weight_gemv_seconds(model: PreTrainedModel, repeats: int = 7) -> float:
+    """Seconds that one batch-1 product with every linear weight takes, eagerly, each weight read once: what a decode
+    step costs before attention, norms, the compiled graph's own overhead and generate()'s loop (median of `repeats`)."""
+    linears = [module for module in model.modules() if isinstance(module, torch.nn.Linear)]
+    device = next(model.parameters()).device
+    inputs = [torch.randn(1, 1, linear.in_features, device=device, dtype=linear.weight.dtype) for linear in linears]
+
+    def products() -> None:
+        for linear, vector in zip(linears, inputs, strict=True):
+            torch.nn.functional.linear(vector, linear.weight)
+
+    times = []
+    with torch.no_grad():
+        products()  # first touch
+        for _ in range(repeats):
+            synchronize(device)
+            start = time.perf_counter()
+            products()
+            synchronize(device)
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
 def bytes_read_per_decode_step(model: PreTrainedModel, batch: int, cache_length: int) -> int:
     """What one decode step reads at least: every weight once, and the keys and values of its static cache (its
     attention reads the whole buffer, masked)."""
@@ -88,4 +111,5 @@ __all__ = [
     "decode_run",
     "median_run",
     "read_bandwidth_bytes_per_second",
+    "weight_gemv_seconds",
 ]
