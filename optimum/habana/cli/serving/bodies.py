@@ -178,29 +178,30 @@ class InputText(Strict):
     annotations: list[JsonObject] | None = Field(None, description="accepted and ignored")
 
 
-class InputMessage(Strict):
-    type: Literal["message"] | None = None
-    role: Literal["system", "developer", "user", "assistant"]
-    content: Text | Annotated[list[InputText], Field(max_length=1024)]
+class ConversationItem(Strict):
+    """What every item of a Responses conversation may carry besides its content (as an earlier response gave it)."""
+
     id: Text | None = None
     status: Literal["in_progress", "completed", "incomplete"] | None = None
 
 
-class FunctionCallItem(Strict):
+class InputMessage(ConversationItem):
+    type: Literal["message"] | None = None
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Text | Annotated[list[InputText], Field(max_length=1024)]
+
+
+class FunctionCallItem(ConversationItem):
     type: Literal["function_call"]
     call_id: NonEmpty
     name: NonEmpty
     arguments: Arguments
-    id: Text | None = None
-    status: Literal["in_progress", "completed", "incomplete"] | None = None
 
 
-class FunctionCallOutputItem(Strict):
+class FunctionCallOutputItem(ConversationItem):
     type: Literal["function_call_output"]
     call_id: NonEmpty
     output: Text
-    id: Text | None = None
-    status: Literal["in_progress", "completed", "incomplete"] | None = None
 
 
 class ReasoningPart(Strict):
