@@ -8,6 +8,7 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -133,3 +134,16 @@ class RunningServer:
 
     def stop(self) -> None:
         self.serve.kill_server()
+
+
+def sequential_and_continuous_batching(checkpoint: Path, **cb_options) -> Iterator[dict[str, RunningServer]]:
+    """A plain server and a continuous-batching one on the same checkpoint, for a module-scoped fixture to `yield
+    from`; both are stopped however the tests end."""
+    started = {}
+    try:
+        started["sequential"] = RunningServer(checkpoint)
+        started["cb"] = RunningServer(checkpoint, continuous_batching=True, **cb_options)
+        yield started
+    finally:
+        for running in started.values():
+            running.stop()

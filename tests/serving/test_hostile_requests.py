@@ -13,7 +13,7 @@ from transformers import AutoTokenizer
 
 from optimum.habana.transformers import GaudiLlamaForCausalLM
 from tests.helpers import save_tiny_checkpoint
-from tests.serving.servers import TIMEOUT_S, RunningServer
+from tests.serving.servers import TIMEOUT_S, RunningServer, sequential_and_continuous_batching
 
 
 CHAT, RESPONSES = "/v1/chat/completions", "/v1/responses"
@@ -28,14 +28,7 @@ def checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def servers(checkpoint):
-    started = {}
-    try:
-        started["sequential"] = RunningServer(checkpoint)
-        started["cb"] = RunningServer(checkpoint, continuous_batching=True, **CACHE)
-        yield started
-    finally:
-        for running in started.values():
-            running.stop()
+    yield from sequential_and_continuous_batching(checkpoint, **CACHE)
 
 
 @pytest.fixture(params=["sequential", "cb"])

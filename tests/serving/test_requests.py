@@ -13,7 +13,7 @@ import urllib.request
 import pytest
 
 from tests.helpers import save_tiny_checkpoint
-from tests.serving.servers import TIMEOUT_S, RunningServer, openai
+from tests.serving.servers import TIMEOUT_S, RunningServer, openai, sequential_and_continuous_batching
 
 
 CONTEXT = 128
@@ -30,14 +30,7 @@ def checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def servers(checkpoint):
-    started = {}
-    try:
-        started["sequential"] = RunningServer(checkpoint)
-        started["cb"] = RunningServer(checkpoint, continuous_batching=True, **CACHE)
-        yield started
-    finally:
-        for running in started.values():
-            running.stop()
+    yield from sequential_and_continuous_batching(checkpoint, **CACHE)
 
 
 @pytest.fixture(params=["sequential", "cb"])
