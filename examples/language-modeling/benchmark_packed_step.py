@@ -18,7 +18,6 @@ library's matmul-softmax), `sdpa` and `eager` (stock transformers). Prints a Mar
 
 import argparse
 import json
-import resource
 import subprocess
 import sys
 import time
@@ -30,6 +29,7 @@ from transformers import DataCollatorWithFlattening
 from optimum.habana.cli.benchmarks.models import PRESETS, ModelSpec, build_model
 from optimum.habana.cli.benchmarks.workers import ratio
 from optimum.habana.cli.common import exit_on_interrupt_or_oom
+from optimum.habana.utils.devices import memory_stats, reset_peak_memory
 
 
 PATHS = ("floor", "flash", "default", "sdpa", "eager")
@@ -64,24 +64,6 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
     return arguments
 
 
-def peak_resident_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
-
-
-def status_bytes(field: str) -> int:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith(f"{field}:"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
-def reset_peak_resident() -> None:
-    """Start the peak resident memory (VmHWM) again from the current one: compiling left its own peak behind."""
-    with open("/proc/self/clear_refs", "w") as clear_refs:
-        clear_refs.write("5")
-
-
 def training_batch(arguments: argparse.Namespace, vocab: int) -> dict[str, torch.Tensor]:
     generator = torch.Generator().manual_seed(0)
     rows = [
@@ -112,18 +94,15 @@ def measure(arguments: argparse.Namespace) -> dict[str, float]:
     model.train()
     batch = training_batch(arguments, model.config.vocab_size)
     step = model
+    cpu = torch.device("cpu")
     if arguments.torch_compile:
         step = torch.compile(model, fullgraph=True, dynamic=False, backend=arguments.torch_compile_backend)
         step(**batch).loss.backward()  # compiles the forward and the backward
         model.zero_grad(set_to_none=True)
-        reset_peak_resident()
-        before = status_bytes("VmRSS")
-        step(**batch).loss.backward()
-        extra = status_bytes("VmHWM") - before
-    else:
-        before = peak_resident_bytes()
-        step(**batch).loss.backward()
-        extra = peak_resident_bytes() - before
+        reset_peak_memory(cpu)  # compiling left its own peak behind
+    before = memory_stats(cpu)["max_allocated"]
+    step(**batch).loss.backward()
+    extra = memory_stats(cpu)["max_allocated"] - before
     model.zero_grad(set_to_none=True)
     start = time.perf_counter()
     step(**batch).loss.backward()
