@@ -19,7 +19,7 @@ import torch
 from tabulate import tabulate
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-from optimum.habana import GaudiLlamaForCausalLM
+from optimum.habana import GaudiGenerationConfig, GaudiLlamaForCausalLM
 from optimum.habana.cli.benchmarks.compiled_decode import (
     bytes_read_per_decode_step,
     compile_config,
@@ -86,22 +86,25 @@ def main(argv: list[str] | None = None) -> int:
             inputs = tokenizer(
                 prompts_for_batch(DEFAULT_PROMPTS, batch), return_tensors="pt", padding=True, padding_side="left"
             )
-            generation_config = GenerationConfig(
-                max_new_tokens=arguments.max_new_tokens,
-                min_new_tokens=arguments.max_new_tokens,
-                do_sample=False,
-                pad_token_id=tokenizer.pad_token_id,
-                cache_implementation="static",
-                compile_config=compile_config(device, arguments.backend),
-            )
-            runs: dict[str, list] = {"flag": [], "stock sdpa": []}
-            calls = {"flag": (ours, {"use_flash_attention": True}), "stock sdpa": (stock, {})}
-            for name, (model, flags) in calls.items():  # the warm-up compiles each model's decode step
+            settings = {
+                "max_new_tokens": arguments.max_new_tokens,
+                "min_new_tokens": arguments.max_new_tokens,
+                "do_sample": False,
+                "pad_token_id": tokenizer.pad_token_id,
+                "cache_implementation": "static",
+                "compile_config": compile_config(device, arguments.backend),
+            }
+            calls = {
+                "flag": (ours, GaudiGenerationConfig(**settings, use_flash_attention=True)),
+                "stock sdpa": (stock, GenerationConfig(**settings)),
+            }
+            runs: dict[str, list] = {name: [] for name in calls}
+            for name, (model, generation_config) in calls.items():  # the warm-up compiles each model's decode step
                 print(f"batch {batch}: compiling {name}...", file=sys.stderr, flush=True)
-                decode_run(model, dict(inputs), generation_config, **flags)
+                decode_run(model, dict(inputs), generation_config)
             for _ in range(arguments.n_iterations):
-                for name, (model, flags) in calls.items():
-                    runs[name].append(decode_run(model, dict(inputs), generation_config, **flags))
+                for name, (model, generation_config) in calls.items():
+                    runs[name].append(decode_run(model, dict(inputs), generation_config))
             flag, reference = median_run(runs["flag"]), median_run(runs["stock sdpa"])
             cache_length = inputs["input_ids"].shape[1] + arguments.max_new_tokens
             bound = bandwidth / bytes_read_per_decode_step(ours, batch, cache_length)

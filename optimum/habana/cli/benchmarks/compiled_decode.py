@@ -9,12 +9,14 @@ time from the first token to the last, per run, median of the measured runs.
 
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from transformers import CompileConfig, GenerationConfig, LogitsProcessorList, PreTrainedModel
+from transformers import CompileConfig, GenerationConfig, PreTrainedModel
 
-from optimum.habana.cli.generation.timing import FirstTokenTimer
+from optimum.habana.cli.generation.generation_config import compile_config_for
+from optimum.habana.cli.generation.timing import timed_generate
 from optimum.habana.utils.devices import synchronize
 
 
@@ -25,27 +27,19 @@ class DecodeRun:
 
 
 def compile_config(device: torch.device, backend: str) -> CompileConfig:
-    config = CompileConfig(backend=backend, fullgraph=True, dynamic=False)
-    config._compile_all_devices = True  # private: generate() compiles on CUDA/XPU only otherwise
+    """run_generation.py's compile config, held to one graph per shape (a break fails the benchmark)."""
+    config = compile_config_for(device, backend)
+    config.fullgraph, config.dynamic = True, False
     return config
 
 
 def decode_run(
-    model: PreTrainedModel, inputs: dict[str, torch.Tensor], generation_config: GenerationConfig, **flags: bool
+    model: PreTrainedModel, inputs: dict[str, torch.Tensor], generation_config: GenerationConfig
 ) -> DecodeRun:
     """One generate() call: decode tokens per second after the first token, and the first token's latency."""
-    device = inputs["input_ids"].device
-    timer = FirstTokenTimer(device)
-    torch.manual_seed(0)
-    synchronize(device)
-    start = time.perf_counter()
-    output = model.generate(
-        **inputs, generation_config=generation_config, logits_processor=LogitsProcessorList([timer]), **flags
-    )
-    synchronize(device)
-    end = time.perf_counter()
-    batch, new_tokens = output.shape[0], output.shape[1] - inputs["input_ids"].shape[1]
-    return DecodeRun(batch * (new_tokens - 1) / (end - timer.time), timer.time - start)
+    output, run = timed_generate(model, inputs, generation_config, inputs["input_ids"].device, seed=0)
+    decode_seconds = run.seconds - run.first_token_seconds
+    return DecodeRun(output.shape[0] * (run.new_tokens - 1) / decode_seconds, run.first_token_seconds)
 
 
 def median_run(runs: list[DecodeRun]) -> DecodeRun:
@@ -55,19 +49,24 @@ def median_run(runs: list[DecodeRun]) -> DecodeRun:
     )
 
 
-def read_bandwidth_bytes_per_second(device: torch.device, gib: float = 1.0, repeats: int = 7) -> float:
-    """Bytes per second that a sum over a tensor far larger than the caches reads: the bound of a step that reads
-    every weight once (median of `repeats`)."""
-    data = torch.ones(int(gib * 1024**3) // 4, dtype=torch.float32, device=device)
-    data.sum()  # first touch
+def median_seconds(work: Callable[[], object], device: torch.device, repeats: int) -> float:
+    """The median time of `repeats` calls of `work`, after one untimed call (first touch)."""
+    work()
     times = []
     for _ in range(repeats):
         synchronize(device)
         start = time.perf_counter()
-        data.sum()
+        work()
         synchronize(device)
         times.append(time.perf_counter() - start)
-    return data.numel() * 4 / statistics.median(times)
+    return statistics.median(times)
+
+
+def read_bandwidth_bytes_per_second(device: torch.device, gib: float = 1.0, repeats: int = 7) -> float:
+    """Bytes per second that a sum over a tensor far larger than the caches reads: the bound of a step that reads
+    every weight once (median of `repeats`)."""
+    data = torch.ones(int(gib * 1024**3) // 4, dtype=torch.float32, device=device)
+    return data.numel() * 4 / median_seconds(data.sum, device, repeats)
 
 
 def weight_gemv_seconds(model: PreTrainedModel, repeats: int = 7) -> float:
@@ -81,16 +80,8 @@ def weight_gemv_seconds(model: PreTrainedModel, repeats: int = 7) -> float:
         for linear, vector in zip(linears, inputs, strict=True):
             torch.nn.functional.linear(vector, linear.weight)
 
-    times = []
     with torch.no_grad():
-        products()  # first touch
-        for _ in range(repeats):
-            synchronize(device)
-            start = time.perf_counter()
-            products()
-            synchronize(device)
-            times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        return median_seconds(products, device, repeats)
 
 
 def bytes_read_per_decode_step(model: PreTrainedModel, batch: int, cache_length: int) -> int:
