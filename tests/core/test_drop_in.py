@@ -13,7 +13,7 @@ from transformers import LlamaForCausalLM
 
 from optimum.habana import GaudiLlamaForCausalLM, gaudi_attention_forward
 from optimum.habana.kernels import dispatch
-from tests.helpers import FLASH_KERNEL_CPU, count_attention_paths, left_padded_batch, tiny_config, tiny_llama_config
+from tests.helpers import FLASH_KERNEL_CPU, count_attention_paths, left_padded_batch, tiny_llama_config
 
 
 LAYERS = 2
@@ -152,8 +152,8 @@ def test_flag_values_are_checked_when_reached_through_the_registration_alone(inp
 def test_an_attention_keyword_nobody_handles_is_an_error():
     query = key = value = torch.zeros(1, 2, 3, 4)
     module = torch.nn.Linear(1, 1)
-    with pytest.raises(TypeError, match=r"does not know the argument\(s\) \['s_aux'\] that Linear passes"):
-        gaudi_attention_forward(module, query, key, value, None, s_aux=torch.zeros(2))
+    with pytest.raises(TypeError, match=r"does not know the argument\(s\) \['block_indices'\] that Linear passes"):
+        gaudi_attention_forward(module, query, key, value, None, block_indices=torch.zeros(2))
 
 
 def test_the_core_needs_none_of_the_example_dependencies():
@@ -184,10 +184,16 @@ def test_adapt_transformers_to_gaudi_registers_every_family():
     from transformers import AutoModelForCausalLM
 
     from optimum.habana import adapt_transformers_to_gaudi, gaudi_model_class, supported_model_types
+    from tests.families.tiny_configs import tiny_family_config
 
     adapt_transformers_to_gaudi()
     for model_type in supported_model_types():
-        model = AutoModelForCausalLM.from_config(tiny_config(model_type, num_hidden_layers=1))
+        gaudi_class = gaudi_model_class(model_type)
+        assert AutoModelForCausalLM._model_mapping[gaudi_class.config_class] is gaudi_class, model_type
+    # Built through the Auto class: a written family, and one of each variant made from transformers' class.
+    for model_type in ("llama", "gpt_oss", "deepseek_v3", "qwen3_next", "gemma4_text"):
+        config_class = gaudi_model_class(model_type).config_class
+        model = AutoModelForCausalLM.from_config(tiny_family_config(model_type, config_class))
         assert type(model) is gaudi_model_class(model_type)
 
 

@@ -15,7 +15,6 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from optimum.habana import supported_model_types
 from optimum.habana.cli.finetuning.sharding import data_parallel_launch_problem
 from optimum.habana.cli.generation.multi_process import ParallelArguments, validate_parallel_arguments
 from optimum.habana.transformers.models import GAUDI_CAUSAL_LM_CLASSES
@@ -28,7 +27,7 @@ from optimum.habana.utils.distributed import (
 )
 from optimum.habana.utils.model_loading import CACHE_ENV_VAR
 from tests.generation.support import PROMPTS_OF_THREE_LENGTHS
-from tests.helpers import ROOT, load_script, once_per_session, save_tiny_checkpoint, tiny_config, write_gguf
+from tests.helpers import FAMILIES, ROOT, load_script, once_per_session, save_tiny_checkpoint, tiny_config, write_gguf
 
 
 RUN_GENERATION = ROOT / "examples" / "text-generation" / "run_generation.py"
@@ -57,7 +56,7 @@ def worker_results(tmp_path_factory, cache_dir) -> list[dict]:
     """Tiny checkpoints of every supported family (4 query / 2 key-value heads), compared in 2 processes."""
 
     def produce(folder: Path) -> list[dict]:
-        for model_type in supported_model_types():
+        for model_type in FAMILIES:
             torch.manual_seed(0)
             checkpoint = folder / "families" / model_type
             AutoModelForCausalLM.from_config(tiny_config(model_type)).save_pretrained(checkpoint)
@@ -76,7 +75,7 @@ def worker_results(tmp_path_factory, cache_dir) -> list[dict]:
     return once_per_session(tmp_path_factory, "tensor_parallel_worker", produce)
 
 
-@pytest.mark.parametrize("model_type", supported_model_types())
+@pytest.mark.parametrize("model_type", FAMILIES)
 def test_tensor_parallel_generation_matches_one_process(worker_results, model_type):
     """Batch 1 and a left-padded batch, with and without the flag: the same greedy tokens on every rank."""
     for rank in worker_results:
@@ -85,7 +84,7 @@ def test_tensor_parallel_generation_matches_one_process(worker_results, model_ty
             assert family[case]["same_tokens"], case
 
 
-@pytest.mark.parametrize("model_type", supported_model_types())
+@pytest.mark.parametrize("model_type", FAMILIES)
 def test_flag_runs_the_fused_kernel_on_the_local_heads(worker_results, model_type):
     """Each rank's attention sees its 2 of the 4 query heads; the flag decides the path there as in one process.
 

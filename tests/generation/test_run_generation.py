@@ -12,7 +12,7 @@ import json
 import pytest
 import torch
 
-from optimum.habana import GaudiLlamaForCausalLM, supported_model_types
+from optimum.habana import GaudiLlamaForCausalLM
 from optimum.habana.cli import adapters
 from optimum.habana.cli.generation.generation_config import build_generation_config
 from optimum.habana.cli.generation.prompts import (
@@ -29,7 +29,7 @@ from tests.generation.support import (
     start_script,
     tiny_argv,
 )
-from tests.helpers import FLASH_KERNEL_CPU, count_attention_paths, save_tiny_checkpoint, spy_on_fused_kernel
+from tests.helpers import FAMILIES, FLASH_KERNEL_CPU, count_attention_paths, save_tiny_checkpoint, spy_on_fused_kernel
 
 
 STATS_FIELDS = {
@@ -110,7 +110,7 @@ def test_end_to_end_same_greedy_texts_with_and_without_flash_attention(script, t
 # The flags reach the kernel
 
 
-@pytest.mark.parametrize("model_type", supported_model_types())
+@pytest.mark.parametrize("model_type", FAMILIES)
 def test_every_supported_family_runs_with_the_same_texts(script, model_type, tmp_path):
     checkpoint = save_tiny_checkpoint(tmp_path / model_type, model_type=model_type)
     argv = ["--model_name_or_path", str(checkpoint), "--batch_size", "2", "--max_new_tokens", "4"]

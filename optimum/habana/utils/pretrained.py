@@ -8,7 +8,7 @@ import torch
 from safetensors import SafetensorError
 from transformers import AutoConfig, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from ..transformers.models import GAUDI_CAUSAL_LM_CLASSES, supported_model_types
+from ..transformers.models import family_problem, gaudi_model_class
 from .model_loading import ModelResolutionError, ResolvedModel, resolve_model
 
 
@@ -32,7 +32,7 @@ def load_model_and_tokenizer(
     resolved: ResolvedModel | None = None,
     **from_pretrained_kwargs: Any,
 ) -> LoadedModel:
-    """Resolve, load and move to `device`; a family without a Gaudi class is a ModelResolutionError listing them.
+    """Resolve, load and move to `device`; a family without a Gaudi class is a ModelResolutionError saying why.
 
     `resolved`: the result of an earlier `resolve_model(model_name_or_path)`, not repeated. `from_pretrained_kwargs`
     go to `from_pretrained` (e.g. `distributed_config` for tensor parallelism).
@@ -41,12 +41,12 @@ def load_model_and_tokenizer(
     if resolved is None:
         resolved = resolve_model(model_name_or_path)
     model_type = AutoConfig.from_pretrained(resolved.path).model_type
-    model_class = GAUDI_CAUSAL_LM_CLASSES.get(model_type)
-    if model_class is None:
+    problem = family_problem(model_type)
+    if problem is not None:
         raise ModelResolutionError(
-            f"{resolved.description} is a {model_type!r} model, which has no Gaudi class; supported model types: "
-            f"{', '.join(supported_model_types())}."
+            f"{resolved.description} is a {model_type!r} model, which has no Gaudi class: {problem}."
         )
+    model_class = gaudi_model_class(model_type)
     tokenizer = load_tokenizer(resolved)
     try:
         model = model_class.from_pretrained(resolved.path, dtype=dtype, **from_pretrained_kwargs)

@@ -21,7 +21,7 @@ from optimum.habana.cli.adapters import check_adapter_folder, check_adapter_matc
 from optimum.habana.transformers.attention_flags import AttentionFlags
 from optimum.habana.transformers.batch_layout import padding_mask_is_all_it_needs
 from optimum.habana.transformers.cache import bucketed_length
-from optimum.habana.transformers.models import GAUDI_CAUSAL_LM_CLASSES, supported_model_types
+from optimum.habana.transformers.models import family_problem, gaudi_model_class
 from optimum.habana.utils.model_loading import (
     ModelResolutionError,
     check_gguf_file,
@@ -60,12 +60,12 @@ def explain(arguments: ScriptArguments) -> str:
     device, dtype = resolve_execution(arguments)
     workload = arguments.workload
     config, tokenizer, description = read_config_and_tokenizer(arguments.model.model_name_or_path)
-    model_class = GAUDI_CAUSAL_LM_CLASSES.get(config.model_type)
-    if model_class is None:
+    problem = family_problem(config.model_type)
+    if problem is not None:
         raise ModelResolutionError(
-            f"{description} is a {config.model_type!r} model, which has no Gaudi class; supported model types: "
-            f"{', '.join(supported_model_types())}."
+            f"{description} is a {config.model_type!r} model, which has no Gaudi class: {problem}."
         )
+    model_class = gaudi_model_class(config.model_type)
     model = meta_model(model_class, config)
     adapter = arguments.model.peft_model
     if adapter:  # the checks of a real run, against the model built on the meta device

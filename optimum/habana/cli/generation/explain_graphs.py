@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedConfig
 
-from optimum.habana.transformers.models import GAUDI_CAUSAL_LM_CLASSES
+from optimum.habana.transformers.models import gaudi_model_class
 from optimum.habana.utils.graph_capture import CompileCounter, GraphReport
 
 from .arguments import ScriptArguments
@@ -58,7 +58,7 @@ def traced_phases(
     """generate() of two new tokens on a tiny copy of the model, the first forward of each phase traced."""
     device = torch.device("cpu")
     torch.manual_seed(0)
-    model = GAUDI_CAUSAL_LM_CLASSES[config.model_type](tiny_copy(config)).eval()
+    model = gaudi_model_class(config.model_type)(tiny_copy(config)).eval()
     reports: dict[str, GraphReport] = {}
     eager = model.forward
 

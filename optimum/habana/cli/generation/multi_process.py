@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from transformers import AutoConfig, DistributedConfig
 
-from optimum.habana.transformers.models import GAUDI_CAUSAL_LM_CLASSES
+from optimum.habana.transformers.models import family_problem, gaudi_model_class
 from optimum.habana.utils import distributed
 from optimum.habana.utils.distributed import LaunchEnvironment
 from optimum.habana.utils.model_loading import ModelResolutionError, resolve_model
@@ -119,8 +119,8 @@ def load_model(model_name_or_path: str | None, *, dtype: torch.dtype, run: Paral
         return load_model_and_tokenizer(model_name_or_path, dtype=dtype, device=run.device)
     resolve_once_per_machine(model_name_or_path, run.launch)
     config = AutoConfig.from_pretrained(resolve_model(model_name_or_path).path)
-    model_class = GAUDI_CAUSAL_LM_CLASSES.get(config.model_type)
-    if model_class is not None:  # else load_model_and_tokenizer names the supported families
+    if family_problem(config.model_type) is None:  # else load_model_and_tokenizer says why there is no class
+        model_class = gaudi_model_class(config.model_type)
         if run.strategy == "tp":
             distributed.check_tensor_parallel_plan(model_class, config, run.launch.world_size)
         distributed.check_heads_divisible(config, run.launch.world_size)

@@ -26,7 +26,7 @@ from optimum.habana.cli.common import (
     stop_signals_deferred,
     writable_folder,
 )
-from optimum.habana.transformers.models import GAUDI_CAUSAL_LM_CLASSES, supported_model_types
+from optimum.habana.transformers.models import family_problem
 from optimum.habana.utils.devices import DEVICE_CHOICES, resolve_device
 from optimum.habana.utils.model_loading import DEFAULT_MODEL_NAME, ModelResolutionError, resolve_model
 from optimum.habana.utils.pretrained import load_model_and_tokenizer, load_tokenizer
@@ -209,10 +209,11 @@ def check_model_part(arguments: FidelityArguments) -> ModelInput:
     except ModelResolutionError as error:
         raise ValueError(f"--model_name_or_path: {error}") from None
     config = AutoConfig.from_pretrained(resolved.path)
-    if config.model_type not in GAUDI_CAUSAL_LM_CLASSES:
+    problem = family_problem(config.model_type)
+    if problem is not None:
         raise ValueError(
             f"--model_name_or_path: {resolved.description} is a {config.model_type!r} model, which has no Gaudi "
-            f"class; supported model types: {', '.join(supported_model_types())}."
+            f"class: {problem}."
         )
     positions = getattr(config, "max_position_embeddings", None)
     text = Path(arguments.text_file) if arguments.text_file else LONG_PROMPT_PATH

@@ -1,0 +1,350 @@
+"""Which causal-LM families of the installed transformers run the Gaudi attention, decided from their code.
+
+A family qualifies when its code proves that the Gaudi attention sees every attention call with everything it
+needs to compute it exactly (`source_facts.py` reads the code):
+
+1. it is a decoder: no attention of it takes an encoder's states, and it is no encoder-decoder or multimodal model
+   (their text models are families of their own);
+2. every module that computes attention looks its function up in transformers' attention interface; a module that
+   computes scores itself would bypass the Gaudi attention (and its flag) silently;
+3. every argument those modules pass to the function is one the Gaudi attention honours (`HONOURED_ARGUMENTS`);
+4. the call's keyword arguments reach those modules: the causal LM, the decoder and each layer on the way hand
+   `**kwargs` on. The flags and the batch's layout (planned once per forward, before the layers) travel there; a
+   layer that drops them would leave its attention on the model's defaults, with a mask planned for the fused path.
+
+A family that fails a rule gets one line saying which and where. Families that qualify are proven by the tests,
+which run every one of them against the stock class (tests/families/).
+
+`mask_free` says whether the decoder's 4-D masks may be replaced by the batch plan (a padded prompt's real tokens,
+packed examples): only when nothing but the attention function reads them, and the decoder builds them with
+transformers' mask builders from the 2-D padding mask alone.
+"""
+
+import functools
+import importlib
+import logging
+import warnings
+from dataclasses import dataclass
+
+import transformers
+from transformers import CONFIG_MAPPING
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_FOR_MASKED_LM_MAPPING_NAMES
+
+from .source_facts import (
+    MASK_BUILDERS,
+    builds_masks_with_transformers,
+    call_keywords,
+    computes_attention_itself,
+    forwards_kwargs_to,
+    init_names,
+    interface_calls,
+    interface_lookup_names_of,
+    mask_uses,
+    reads_config,
+    submodules,
+)
+
+
+# The keyword arguments of an attention-interface call that the Gaudi attention computes exactly (attention.py).
+HONOURED_ARGUMENTS = {
+    "dropout": "attention dropout",
+    "scaling": "the softmax scale",
+    "is_causal": "causal or bidirectional",
+    "sliding_window": "a sliding window",
+    "softcap": "soft-capped logits",
+    "s_aux": "attention sinks",
+    "sinks": "attention sinks",
+    "position_bias": "an additive position bias",
+    "indices": "the keys an indexer selects (sparse attention)",
+    "output_attentions": "attention weights",
+    "position_ids": "positions",
+    "cu_seq_lens_q": "packed sequences",
+    "cu_seq_lens_k": "packed sequences",
+    "max_length_q": "packed sequences",
+    "max_length_k": "packed sequences",
+    "attention_mask": "the mask",
+}
+# What the arguments the Gaudi attention refuses compute, for the line that says why a family does not qualify.
+REFUSED_ARGUMENTS = {"block_indices": "block-sparse attention from an indexer"}
+# What a call hands a module that attends to another model's states (an encoder's, an image's).
+CROSS_ATTENTION_INPUTS = {"encoder_hidden_states", "key_value_states", "cross_attention_states"}
+# Sub-configs of models that read more than text.
+MULTIMODAL_PARTS = ("vision", "audio", "image", "speech", "video", "visual")
+# Layer kinds that mix tokens without softmax attention (hybrid models): the Gaudi attention leaves them alone.
+NON_ATTENTION_LAYERS = {"linear_attention", "mamba", "conv", "recurrent", "hybrid", "mlp", "moe", "attention_free"}
+
+
+@dataclass(frozen=True)
+class FamilyReport:
+    """What the library makes of one causal-LM model type."""
+
+    model_type: str
+    class_name: str  # transformers' causal LM class
+    qualifies: bool
+    reason: str = ""  # why not, in one line
+    variants: tuple[str, ...] = ()  # the attention variants its code uses
+    mask_free: bool = False  # the batch plan may replace the decoder's 4-D masks
+    attention_classes: tuple[str, ...] = ()
+
+    @property
+    def fused_path(self) -> str:
+        """The table's "fused path" column: what runs in the fused kernel, and what takes the default path."""
+        if not self.qualifies:
+            return f"no: {self.reason}"
+        if "soft-capped logits" in self.variants:
+            return "default path for soft-capped layers (no fused kernel applies tanh to the scores); others fused"
+        return "every attention call"
+
+
+def causal_lm_model_types() -> tuple[str, ...]:
+    return tuple(sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES))
+
+
+@functools.cache
+def family_report(model_type: str) -> FamilyReport:
+    """Decide whether `model_type` qualifies; see the module docstring. Imports the family's modeling code only."""
+    class_name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
+    if class_name is None:
+        return FamilyReport(model_type, "", False, "transformers maps no causal LM to this model type")
+    try:
+        stock = getattr(importlib.import_module("transformers"), class_name)
+    except (ImportError, AttributeError) as error:
+        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        return FamilyReport(model_type, class_name, False, f"its code cannot be imported here ({first_line})")
+    return _judge(model_type, stock)
+
+
+def _judge(model_type: str, stock: type) -> FamilyReport:
+    def refuse(reason: str, **fields) -> FamilyReport:
+        return FamilyReport(model_type, stock.__name__, False, reason, **fields)
+
+    multimodal = _multimodal_reason(model_type, stock)
+    if multimodal:
+        return refuse(multimodal)
+    if _is_encoder_decoder(model_type):
+        return refuse("an encoder-decoder model: the Gaudi attention serves decoder-only language models")
+    if model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES:
+        return refuse("an encoder (masked-LM) model with a language-model head: the Gaudi attention serves decoders")
+    edges = _module_graph(stock)
+    classes = {child for children in edges.values() for _, child in children} | {stock}
+    attention = {cls for cls in classes if interface_calls(cls)}
+    bypassing = sorted(cls.__name__ for cls in classes - attention if computes_attention_itself(cls))
+    if bypassing:
+        return refuse(
+            f"{', '.join(bypassing)} computes attention itself instead of through transformers' attention interface"
+        )
+    if not attention:
+        return refuse(_no_attention_reason(model_type))
+    if any(reads_config(cls, "is_decoder") for cls in classes):
+        return refuse(
+            "an encoder model that runs as a decoder only with is_decoder=True: the Gaudi attention serves decoders"
+        )
+    names = tuple(sorted(cls.__name__ for cls in attention))
+    for cls in sorted(attention, key=lambda cls: cls.__name__):
+        reason = _attention_call_reason(cls)
+        if reason:
+            return refuse(reason, attention_classes=names)
+    reason = _keyword_path_reason(stock, edges, attention)
+    if reason:
+        return refuse(reason, attention_classes=names)
+    return FamilyReport(
+        model_type,
+        stock.__name__,
+        True,
+        variants=_variants(model_type, attention),
+        mask_free=_mask_free(stock, edges, attention),
+        attention_classes=names,
+    )
+
+
+def _multimodal_reason(model_type: str, stock: type) -> str:
+    config_class = CONFIG_MAPPING[model_type]
+    sub_configs = getattr(config_class, "sub_configs", None) or {}
+    encoders = sorted(
+        name.removesuffix("_config") for name in sub_configs if any(part in name for part in MULTIMODAL_PARTS)
+    )
+    if stock.config_class is not config_class or not encoders:
+        return ""
+    text_type = getattr(sub_configs.get("text_config"), "model_type", None)
+    if isinstance(text_type, str) and text_type:
+        return (
+            f"a multimodal model ({', '.join(encoders)} and text): its language model is the model type {text_type!r}"
+        )
+    return f"a multimodal model ({', '.join(encoders)} encoders inside the language model)"
+
+
+def _is_encoder_decoder(model_type: str) -> bool:
+    return bool(getattr(_default_config(model_type), "is_encoder_decoder", False))
+
+
+def _module_graph(stock: type, depth: int = 6) -> dict[type, list[tuple[str, type]]]:
+    """parent class -> [(attribute, child class)], for the submodules reachable from the causal LM's constructor."""
+    edges: dict[type, list[tuple[str, type]]] = {}
+    frontier = [stock]
+    for _ in range(depth):
+        next_frontier = []
+        for parent in frontier:
+            if parent in edges:
+                continue
+            children = [
+                (attribute, child)
+                for attribute, classes in submodules(parent).items()
+                for child in sorted(classes, key=lambda cls: cls.__name__)
+                if child.__module__.startswith("transformers.") or child.__module__ == parent.__module__
+            ]
+            edges[parent] = children
+            next_frontier += [child for _, child in children]
+        frontier = next_frontier
+    return edges
+
+
+def _no_attention_reason(model_type: str) -> str:
+    config = _default_config(model_type)
+    text_type = getattr(getattr(config, "text_config", None), "model_type", None)
+    if text_type:
+        return f"its language model is built from the model type {text_type!r} at run time: use that model type"
+    if hasattr(CONFIG_MAPPING[model_type], "num_attention_heads"):
+        return "its attention does not go through transformers' attention interface"
+    return "it has no attention layer (a state-space or recurrent model): the flag has nothing to do"
+
+
+def _attention_call_reason(cls: type) -> str:
+    for call in interface_calls(cls):
+        unknown = sorted(call.keywords - set(HONOURED_ARGUMENTS))
+        if unknown:
+            what = "; ".join(f"{name} ({REFUSED_ARGUMENTS.get(name, 'unknown to it')})" for name in unknown)
+            return f"{cls.__name__} passes its attention function {what}, which the Gaudi attention cannot compute"
+        if not call.passes_kwargs:
+            return (
+                f"{cls.__name__} calls its attention function without the call's keyword arguments, so the flags "
+                "cannot reach it"
+            )
+        if call.positional + ("attention_mask" in call.keywords) != 5:
+            return f"{cls.__name__} calls its attention function with an argument list the interface does not define"
+    return ""
+
+
+def _keyword_path_reason(stock: type, edges: dict[type, list[tuple[str, type]]], attention: set[type]) -> str:
+    """Every module on the way from the causal LM to an attention module must hand the call's keywords on."""
+    holds_attention = set(attention)
+    changed = True
+    while changed:
+        changed = False
+        for parent, children in edges.items():
+            if parent not in holds_attention and any(child in holds_attention for _, child in children):
+                holds_attention.add(parent)
+                changed = True
+    for parent, children in edges.items():
+        for attribute in sorted({attribute for attribute, child in children if child in holds_attention}):
+            attends = any(child in attention for name, child in children if name == attribute)
+            if attends and call_keywords(parent, attribute) & CROSS_ATTENTION_INPUTS:
+                return (
+                    f"{parent.__name__} has cross-attention (self.{attribute} attends to another model's states), "
+                    "which the Gaudi attention does not serve"
+                )
+            passes = forwards_kwargs_to(parent, attribute)
+            if passes is False:
+                return (
+                    f"{parent.__name__}.forward calls self.{attribute} without the call's keyword arguments, so the "
+                    "flags and the batch plan cannot reach its attention"
+                )
+            if passes is None:
+                return f"{parent.__name__}.forward does not call self.{attribute} where this check can see the call"
+    return ""
+
+
+def _variants(model_type: str, attention: set[type]) -> tuple[str, ...]:
+    keywords = set()
+    for cls in attention:
+        for call in interface_calls(cls):
+            keywords |= call.keywords
+    config = _default_config(model_type)
+    variants = []
+    if keywords & {"s_aux", "sinks"}:
+        variants.append("attention sinks")
+    if any("v_head_dim" in init_names(cls) for cls in attention):
+        variants.append("latent attention (value head size differs from the query's)")
+    if "indices" in keywords:
+        variants.append("sparse attention (the keys an indexer selects)")
+    if "position_bias" in keywords:
+        variants.append("additive position bias")
+    if "softcap" in keywords:
+        variants.append("soft-capped logits")
+    layer_kinds = _layer_kinds(config)
+    if "chunked_attention" in layer_kinds or getattr(config, "attention_chunk_size", None):
+        variants.append("chunked local attention")
+    if "sliding_window" in keywords or "sliding_attention" in layer_kinds:
+        variants.append("sliding window")
+    if layer_kinds & NON_ATTENTION_LAYERS:
+        variants.append("hybrid (attention beside linear-attention or state-space layers)")
+    if _is_heterogeneous(config):
+        variants.append("per-layer head counts and sizes")
+    return tuple(variants)
+
+
+@functools.cache
+def _default_config(model_type: str) -> object:
+    """The family's config with its defaults, or None where they do not make one; built without its log lines (a
+    default that names a token outside its own vocabulary, say), which say nothing about the user's model."""
+    logger = logging.getLogger("transformers")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return CONFIG_MAPPING[model_type]()
+    except Exception:
+        return None
+    finally:
+        logger.setLevel(level)
+
+
+def _is_heterogeneous(config: object) -> bool:
+    try:
+        return bool(getattr(config, "is_heterogeneous", False))
+    except Exception:  # a default config that cannot answer (it lacks a size its per-layer view reads)
+        return False
+
+
+def _layer_kinds(config: object) -> set[str]:
+    kinds: set[str] = set()
+    for name in ("layer_types", "layers_block_type", "block_types"):
+        try:
+            value = getattr(config, name, None)
+        except Exception:
+            value = None
+        if isinstance(value, list | tuple):
+            kinds |= {str(kind) for kind in value}
+    return kinds
+
+
+def _mask_free(stock: type, edges: dict[type, list[tuple[str, type]]], attention: set[type]) -> bool:
+    """Whether only the attention function reads the decoder's 4-D masks, built by transformers from the 2-D mask."""
+    decoder = next((child for attribute, child in edges.get(stock, []) if attribute == stock.base_model_prefix), None)
+    if decoder is None or not builds_masks_with_transformers(decoder):
+        return False
+    if mask_uses(decoder, allowed_calls=MASK_BUILDERS):
+        return False
+    for cls in attention:
+        if mask_uses(cls, allowed_calls=interface_lookup_names_of(cls)):
+            return False
+    attention_holders = {parent for parent, children in edges.items() if any(c in attention for _, c in children)}
+    for holder in attention_holders - attention:
+        attributes = {attribute for attribute, child in edges[holder] if child in attention}
+        if mask_uses(holder, allowed_calls=frozenset(f"self.{name}" for name in attributes)):
+            return False
+    return True
+
+
+def qualifying_model_types() -> tuple[str, ...]:
+    return tuple(model_type for model_type in causal_lm_model_types() if family_report(model_type).qualifies)
+
+
+__all__ = [
+    "HONOURED_ARGUMENTS",
+    "FamilyReport",
+    "causal_lm_model_types",
+    "family_report",
+    "qualifying_model_types",
+    "transformers",
+]

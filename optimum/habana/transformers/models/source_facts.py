@@ -1,0 +1,399 @@
+"""What a family's modeling source says about its attention, read with `ast` (nothing in it is executed).
+
+A family qualifies for the Gaudi attention by what its code does (`qualification.py` states the rules); this module
+answers the questions those rules ask of the code: which submodules a class builds, which of them look their
+attention function up in transformers' attention interface and with which arguments they call it, whether a
+forward hands the call's keyword arguments (the flags, and the batch plan) on to a submodule, and where a forward
+reads the attention mask.
+"""
+
+import ast
+import functools
+import inspect
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from torch import nn
+
+
+# Calls that compute attention scores when a class does it itself instead of through the interface.
+ATTENTION_KERNEL_CALLS = frozenset({"scaled_dot_product_attention", "flash_attn_func", "flash_attn_varlen_func"})
+SCORE_PRODUCTS = frozenset({"matmul", "bmm", "baddbmm", "einsum"})
+TOKEN_MASKS = frozenset({"attention_mask", "causal_mask", "attn_mask", "is_causal", "mask"})
+# transformers' mask builders (`masking_utils`): a mask made by them follows the attention's registered mask function.
+MASK_BUILDERS = frozenset(
+    {
+        "create_causal_mask",
+        "create_sliding_window_causal_mask",
+        "create_chunked_causal_mask",
+        "create_bidirectional_mask",
+        "create_masks_for_generate",
+        "LAYER_PATTERN_TO_MASK_FUNCTION_MAPPING",
+    }
+)
+
+
+@dataclass(frozen=True)
+class InterfaceCall:
+    """One call of the function a class looked up in transformers' attention interface."""
+
+    keywords: frozenset[str]
+    passes_kwargs: bool  # `**kwargs`: the flags and the batch plan travel there
+    positional: int  # module, query, key, value, mask: 5
+
+
+@functools.cache
+def _tree(path: str) -> ast.Module:
+    return ast.parse(Path(path).read_text(encoding="utf-8"))
+
+
+@functools.cache
+def class_node(cls: type) -> ast.ClassDef | None:
+    """The `class` statement of `cls` in its source file (top level), or None for classes without Python source."""
+    try:
+        path = inspect.getsourcefile(cls)
+    except TypeError:
+        return None
+    if path is None:
+        return None
+    for node in _tree(path).body:
+        if isinstance(node, ast.ClassDef) and node.name == cls.__name__:
+            return node
+    return None
+
+
+@functools.cache
+def method(cls: type, name: str) -> tuple[type, ast.FunctionDef] | None:
+    """The first definition of `name` along `cls`'s MRO in a transformers (or user) class: (owner, node)."""
+    for owner in cls.__mro__:
+        if name not in vars(owner):
+            continue
+        if owner.__module__.startswith("torch.") or owner is object:
+            return None
+        node = class_node(owner)
+        if node is None:
+            return None
+        for statement in node.body:
+            if isinstance(statement, ast.FunctionDef) and statement.name == name:
+                return owner, statement
+        return None
+    return None
+
+
+def _source_names(node: ast.AST) -> frozenset[str]:
+    """The names and attribute names read or written anywhere in `node` (trees are parsed once: keyed by identity)."""
+    names = _NAMES.get(id(node))
+    if names is None:
+        names = _NAMES[id(node)] = frozenset(
+            child.id if isinstance(child, ast.Name) else child.attr
+            for child in ast.walk(node)
+            if isinstance(child, ast.Name | ast.Attribute)
+        )
+    return names
+
+
+_NAMES: dict[int, frozenset[str]] = {}
+
+
+def _resolve(owner: type, name: str) -> object:
+    return vars(sys.modules[owner.__module__]).get(name)
+
+
+def _module_classes(value: object) -> set[type]:
+    """`value` if it is a module class, or the module classes a dict or tuple of them holds."""
+    if isinstance(value, type) and issubclass(value, nn.Module):
+        return {value}
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, list | tuple):
+        return {item for item in value if isinstance(item, type) and issubclass(item, nn.Module)}
+    return set()
+
+
+@functools.cache
+def submodules(cls: type) -> dict[str, set[type]]:
+    """The attributes `cls.__init__` assigns to submodules it builds, with the classes each may hold.
+
+    Read from every `__init__` along the MRO, so a subclass that keeps its parent's layers is read through the
+    parent; a class reached through local names (`layer_class = TYPES[kind]; layers.append(layer_class(...))`) counts.
+    """
+    found: dict[str, set[type]] = {}
+    for owner in cls.__mro__:
+        if owner.__module__.startswith("torch.") or owner is object or "__init__" not in vars(owner):
+            continue
+        located = method(owner, "__init__")
+        if located is None:
+            continue
+        function = located[1]
+        sources = _local_sources(function)
+        optional = {id(node) for gate in _cross_attention_gates(function) for node in ast.walk(gate)}
+        for node in ast.walk(function):
+            targets = node.targets if isinstance(node, ast.Assign) and id(node) not in optional else []
+            for target in targets:
+                if not (isinstance(target, ast.Attribute) and _is_self(target.value)):
+                    continue
+                classes = set()
+                for name in _closure(_source_names(node.value), sources):
+                    classes |= _module_classes(_resolve(owner, name))
+                if classes:
+                    found.setdefault(target.attr, set()).update(classes)
+    return found
+
+
+def _cross_attention_gates(function: ast.FunctionDef) -> list[ast.If]:
+    """`if config.add_cross_attention:` blocks: cross-attention a decoder-only config does not build."""
+    return [
+        node
+        for node in ast.walk(function)
+        if isinstance(node, ast.If) and "add_cross_attention" in _source_names(node.test)
+    ]
+
+
+def _local_sources(function: ast.FunctionDef) -> dict[str, set[str]]:
+    """For each local name: the names read where the function binds it, or appends to it."""
+    sources: dict[str, set[str]] = {}
+
+    def bind(target: ast.AST, value: ast.AST) -> None:
+        if isinstance(target, ast.Name):
+            sources.setdefault(target.id, set()).update(_source_names(value))
+        elif isinstance(target, ast.Tuple | ast.List | ast.Starred):
+            for element in ast.iter_child_nodes(target):
+                bind(element, value)
+
+    for node in ast.walk(function):
+        if isinstance(node, ast.Assign):
+            for target in node.targets:
+                bind(target, node.value)
+        elif isinstance(node, ast.AnnAssign | ast.AugAssign) and node.value is not None:
+            bind(node.target, node.value)
+        elif isinstance(node, ast.For | ast.comprehension):
+            bind(node.target, node.iter)
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr in ("append", "extend", "insert")
+            and isinstance(node.func.value, ast.Name)
+        ):
+            for argument in node.args:
+                bind(node.func.value, argument)
+    return sources
+
+
+def _closure(names: set[str], sources: dict[str, set[str]]) -> set[str]:
+    seen, pending = set(), list(names)
+    while pending:
+        name = pending.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        pending += sources.get(name, ())
+    return seen
+
+
+def _is_self(node: ast.AST) -> bool:
+    return isinstance(node, ast.Name) and node.id == "self"
+
+
+def interface_lookup_names(function: ast.FunctionDef) -> set[str]:
+    """The local names a function binds to a lookup in `ALL_ATTENTION_FUNCTIONS` (`get_interface(...)` or `[...]`)."""
+    names = set()
+    for node in ast.walk(function):
+        lookup = isinstance(node, ast.Assign | ast.AnnAssign) and node.value is not None
+        if lookup and "ALL_ATTENTION_FUNCTIONS" in _source_names(node.value):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names |= {target.id for target in targets if isinstance(target, ast.Name)}
+    return names
+
+
+@functools.cache
+def interface_calls(cls: type) -> list[InterfaceCall]:
+    """Every call of an attention-interface function in `cls`'s forward."""
+    located = method(cls, "forward")
+    if located is None:
+        return []
+    function = located[1]
+    names = interface_lookup_names(function)
+    calls = []
+    for node in ast.walk(function):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in names:
+            keywords = frozenset(keyword.arg for keyword in node.keywords if keyword.arg is not None)
+            passes_kwargs = any(keyword.arg is None for keyword in node.keywords)
+            calls.append(InterfaceCall(keywords, passes_kwargs, len(node.args)))
+    return calls
+
+
+@functools.cache
+def computes_attention_itself(cls: type) -> bool:
+    """Whether a method of `cls` computes masked attention over tokens without the interface: a call of an attention
+    kernel, or a softmax over a product of tensors, where a mask or causality is read too (a router's softmax or an
+    attention over layers, which read neither, are not token attention)."""
+    node = class_node(cls)
+    if node is None:
+        return False
+    names = {name.lower() for name in _source_names(node)}
+    products = bool(names & SCORE_PRODUCTS) or any(
+        isinstance(child, ast.BinOp) and isinstance(child.op, ast.MatMult) for child in ast.walk(node)
+    )
+    scores = bool(names & ATTENTION_KERNEL_CALLS) or ("softmax" in names and products)
+    return scores and bool(names & TOKEN_MASKS)
+
+
+@functools.cache
+def forward_parameters(cls: type) -> set[str]:
+    located = method(cls, "forward")
+    if located is None:
+        return set()
+    arguments = located[1].args
+    return {argument.arg for argument in arguments.args + arguments.kwonlyargs}
+
+
+def calls_of(function: ast.FunctionDef, attribute: str) -> list[ast.Call]:
+    """The calls in `function` of the submodule `self.<attribute>`: directly, indexed, or through a loop variable or
+    a local name bound from an expression that reads it (`for layer in self.layers[:n]: layer(...)`)."""
+    bound: set[str] = set()
+    for node in ast.walk(function):
+        if isinstance(node, ast.For | ast.comprehension) and _reads_attribute(node.iter, attribute):
+            bound |= {name.id for name in ast.walk(node.target) if isinstance(name, ast.Name)}
+        elif isinstance(node, ast.Assign) and _reads_attribute(node.value, attribute):
+            bound |= {name.id for target in node.targets for name in ast.walk(target) if isinstance(name, ast.Name)}
+    calls = []
+    for node in ast.walk(function):
+        if not isinstance(node, ast.Call):
+            continue
+        target = node.func
+        while isinstance(target, ast.Subscript | ast.Attribute) and not (
+            isinstance(target, ast.Attribute) and _is_self(target.value)
+        ):
+            target = target.value  # self.layers[i](...), self.model.decoder(...)
+        if (
+            isinstance(target, ast.Attribute)
+            and target.attr == attribute
+            and _is_self(target.value)
+            or isinstance(target, ast.Name)
+            and target.id in bound
+        ):
+            calls.append(node)
+    return calls
+
+
+def _reads_attribute(node: ast.AST, attribute: str) -> bool:
+    return any(
+        isinstance(child, ast.Attribute) and child.attr == attribute and _is_self(child.value)
+        for child in ast.walk(node)
+    )
+
+
+@functools.cache
+def call_keywords(cls: type, attribute: str) -> set[str]:
+    """The keyword names `cls`'s forward passes in its calls of `self.<attribute>`."""
+    located = method(cls, "forward")
+    if located is None:
+        return set()
+    return {keyword.arg for call in calls_of(located[1], attribute) for keyword in call.keywords if keyword.arg}
+
+
+@functools.cache
+def forwards_kwargs_to(cls: type, attribute: str) -> bool | None:
+    """Whether every call of `self.<attribute>` in `cls`'s forward passes `**kwargs` on; None when the forward calls
+    it nowhere this reading can see."""
+    located = method(cls, "forward")
+    if located is None:
+        return None
+    calls = calls_of(located[1], attribute)
+    if not calls:
+        return None
+    return all(any(keyword.arg is None for keyword in call.keywords) for call in calls)
+
+
+@functools.cache
+def mask_uses(cls: type, allowed_calls: frozenset[str]) -> tuple[str, ...]:
+    """The uses of `attention_mask` in `cls`'s forward other than handing it to one of `allowed_calls` (callee names:
+    `create_causal_mask`, `attention_interface`, `self.self_attn`), a dict of such arguments, or testing it for None;
+    each as source text. A placeholder mask would change what such a use computes."""
+    located = method(cls, "forward")
+    if located is None:
+        return ()
+    function = located[1]
+    # A local name bound to one of them, not to its result: `mask_function = create_causal_mask if ... else ...`.
+    aliases = {
+        name
+        for name, read in _local_sources(function).items()
+        if read & set(allowed_calls) and "attention_mask" not in read
+    }
+    allowed_calls = set(allowed_calls) | aliases
+    handed_on: set[int] = set()
+    for node in ast.walk(function):
+        if isinstance(node, ast.Call) and _callee(node) in allowed_calls | {"isinstance"}:
+            for argument in list(node.args) + [keyword.value for keyword in node.keywords]:
+                handed_on |= {id(child) for child in ast.walk(argument)}
+        elif isinstance(node, ast.Dict):
+            handed_on |= {id(child) for value in node.values if value is not None for child in ast.walk(value)}
+        elif isinstance(node, ast.Compare) and all(isinstance(op, ast.Is | ast.IsNot) for op in node.ops):
+            handed_on |= {id(node.left)}
+    return tuple(
+        ast.unparse(node)
+        for node in ast.walk(function)
+        if isinstance(node, ast.Name) and node.id == "attention_mask" and isinstance(node.ctx, ast.Load)
+        if id(node) not in handed_on
+    )
+
+
+def _callee(call: ast.Call) -> str:
+    target = call.func
+    while isinstance(target, ast.Subscript):
+        target = target.value
+    if isinstance(target, ast.Name):
+        return target.id
+    if isinstance(target, ast.Attribute):
+        return f"self.{target.attr}" if _is_self(target.value) else target.attr
+    return ""
+
+
+@functools.cache
+def interface_lookup_names_of(cls: type) -> frozenset[str]:
+    located = method(cls, "forward")
+    return frozenset() if located is None else frozenset(interface_lookup_names(located[1]))
+
+
+@functools.cache
+def reads_config(cls: type, name: str) -> bool:
+    """Whether `cls.__init__` reads `config.<name>`."""
+    located = method(cls, "__init__")
+    return located is not None and any(
+        isinstance(node, ast.Attribute) and node.attr == name and getattr(node.value, "id", None) == "config"
+        for node in ast.walk(located[1])
+    )
+
+
+@functools.cache
+def init_names(cls: type) -> set[str]:
+    """The names and attributes `cls.__init__` reads or writes (e.g. `v_head_dim`)."""
+    located = method(cls, "__init__")
+    return set() if located is None else _source_names(located[1])
+
+
+@functools.cache
+def builds_masks_with_transformers(cls: type) -> bool:
+    """Whether `cls`'s forward builds its masks with transformers' mask builders (`masking_utils`)."""
+    located = method(cls, "forward")
+    return located is not None and bool(_source_names(located[1]) & MASK_BUILDERS)
+
+
+__all__ = [
+    "InterfaceCall",
+    "builds_masks_with_transformers",
+    "call_keywords",
+    "calls_of",
+    "class_node",
+    "computes_attention_itself",
+    "forward_parameters",
+    "forwards_kwargs_to",
+    "init_names",
+    "interface_calls",
+    "interface_lookup_names_of",
+    "mask_uses",
+    "method",
+    "reads_config",
+    "submodules",
+]
