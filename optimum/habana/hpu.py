@@ -26,6 +26,9 @@ class HPUKernel:
     # "1.16": (..., scale, softmax_mode), recompute through the sdp_kernel context manager.
     # "1.13": (..., scale), recompute through the context manager, no fast softmax.
     signature: Literal["1.18", "1.16", "1.13"]
+    # Later 1.18-style kernels append (return_dropout_mask, return_attn_probs, window_size, sink): the recompute
+    # variant then takes a sliding window and attention sinks.
+    takes_sinks: bool = False
 
 
 @functools.cache
@@ -43,7 +46,8 @@ def hpu_kernel() -> HPUKernel | None:
         signature = "1.16"
     else:
         signature = "1.13"
-    return HPUKernel(apply=FusedSDPA.apply, sdp_kernel=sdp_kernel, signature=signature)
+    takes_sinks = signature == "1.18" and "sink" in parameters and "window_size" in parameters
+    return HPUKernel(apply=FusedSDPA.apply, sdp_kernel=sdp_kernel, signature=signature, takes_sinks=takes_sinks)
 
 
 def on_hpu(tensor: torch.Tensor) -> bool:

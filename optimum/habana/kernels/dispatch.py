@@ -16,6 +16,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers.utils.import_utils import is_tracing
 
 from ..hpu import HPUKernel, hpu_kernel, on_hpu
+from .sinks import with_sink_key
 
 
 SoftmaxMode = Literal["None", "fast"]
@@ -43,16 +44,37 @@ def fused_sdpa(
     recompute: bool = False,
     valid_sequence_lengths: torch.Tensor | None = None,
     padding_side: PaddingSide = "left",
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Attention through a fused kernel: query `[B, H, q, D]`, key/value `[B, Hkv, kv, D]` -> `[B, H, q, D]`.
+    """Attention through a fused kernel: query `[B, H, q, D]`, key/value `[B, Hkv, kv, Dv]` -> `[B, H, q, Dv]`.
 
     `attn_mask` is a boolean (True = attend) or additive mask broadcastable to `[B, H, q, kv]`. With
     `valid_sequence_lengths` (int32 `[B]`, real tokens per row, padding on `padding_side`) the call must be a
     causal prefill without a mask: the kernel skips the padding without a materialised mask.
-    Key and value keep their own head count: the kernels handle grouped-query attention themselves.
+    Key and value keep their own head count: the kernels handle grouped-query attention themselves. A value head
+    size other than the query's (latent attention) is padded for the call only. `sinks` (one logit per head, or per
+    head and row) join each row's softmax (`sinks.py`).
     """
     if valid_sequence_lengths is not None and (attn_mask is not None or not is_causal):
         raise ValueError("valid_sequence_lengths requires is_causal=True and no attn_mask")
+    scale = query.shape[-1] ** -0.5 if scale is None else scale  # explicit: the calls below may widen the heads
+    if sinks is not None and not kernel_takes_sinks(query, key, sinks):
+        if valid_sequence_lengths is not None:
+            raise ValueError("sinks with valid_sequence_lengths need a kernel that takes the sinks")
+        query, key, value, attn_mask, dropped_rows = with_sink_key(
+            query, key, value, attn_mask, is_causal, scale, sinks
+        )
+        output = fused_sdpa(
+            query, key, value, attn_mask, is_causal=is_causal and attn_mask is None, scale=scale,
+            dropout_p=dropout_p, softmax_mode=softmax_mode, recompute=recompute,
+        )  # fmt: skip
+        return output[:, :, dropped_rows:]
+    if value.shape[-1] != query.shape[-1]:
+        return _with_equal_head_sizes(
+            query, key, value, attn_mask, is_causal=is_causal, scale=scale, dropout_p=dropout_p,
+            softmax_mode=softmax_mode, recompute=recompute, valid_sequence_lengths=valid_sequence_lengths,
+            padding_side=padding_side, sinks=sinks,
+        )  # fmt: skip
     if on_hpu(query):
         kernel = hpu_kernel()
         if kernel is None:
@@ -70,6 +92,7 @@ def fused_sdpa(
             recompute=recompute,
             valid_sequence_lengths=valid_sequence_lengths,
             padding_side=padding_side,
+            sinks=sinks,
         )
     if softmax_mode != "None":
         warn_once(
@@ -81,6 +104,30 @@ def fused_sdpa(
         # PyTorch's kernels have no valid-length mode; right padding is exact under `is_causal` for the real tokens.
         raise ValueError("valid_sequence_lengths with left padding runs on Gaudi only: permute the rows first")
     return _torch_fused_sdpa(query, key, value, attn_mask, is_causal=is_causal, scale=scale, dropout_p=dropout_p)
+
+
+def kernel_takes_sinks(query: torch.Tensor, key: torch.Tensor, sinks: torch.Tensor) -> bool:
+    """Whether the device's kernel takes these sinks itself: FusedSDPA of a Gaudi software that has the argument, in
+    inference (its backward pass returns no gradient for them), one logit per head. Elsewhere `sinks.py` adds them."""
+    if not on_hpu(query):
+        return False
+    kernel = hpu_kernel()
+    grad = query.requires_grad or key.requires_grad or sinks.requires_grad
+    return kernel is not None and kernel.takes_sinks and not grad and sinks.dim() == 1
+
+
+def _with_equal_head_sizes(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args, **kwargs
+) -> torch.Tensor:
+    """Latent attention's value head differs from the query's: pad the narrower side with zeros for the call (the
+    scores and the value rows are unchanged) and cut the output back to the value's size. CPU's flash kernel and
+    CUDA's flash kernels take equal sizes only."""
+    width = value.shape[-1]
+    if width < query.shape[-1]:
+        value = F.pad(value, (0, query.shape[-1] - width))
+    else:
+        query, key = F.pad(query, (0, width - query.shape[-1])), F.pad(key, (0, width - key.shape[-1]))
+    return fused_sdpa(query, key, value, *args, **kwargs)[..., :width]
 
 
 def host_reads_allowed(tensor: torch.Tensor) -> bool:
@@ -113,6 +160,7 @@ def _hpu_fused_sdpa(
     recompute: bool,
     valid_sequence_lengths: torch.Tensor | None,
     padding_side: PaddingSide,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     if softmax_mode == "fast" and recompute and not is_causal and query.requires_grad:
         warn_once("FusedSDPA's fast softmax in recompute training needs is_causal: the exact softmax is used.")
@@ -121,6 +169,11 @@ def _hpu_fused_sdpa(
         attn_mask = torch.zeros_like(attn_mask, dtype=query.dtype).masked_fill_(
             ~attn_mask, torch.finfo(query.dtype).min
         )
+    if sinks is not None:  # `kernel_takes_sinks`: only the recompute variant reads them
+        return kernel.apply(
+            query, key, value, attn_mask, dropout_p, is_causal, scale, softmax_mode, True,
+            valid_sequence_lengths, padding_side, False, False, (-1, -1), sinks,
+        )  # fmt: skip
     if kernel.signature == "1.18":
         return kernel.apply(
             query,

@@ -66,22 +66,27 @@ def padded_causal_sdpa(
     dropout_p: float,
     softmax_mode: SoftmaxMode,
     recompute: bool,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Causal attention over each row's real tokens; query `[B, H, q, D]`, key/value from index 0 -> `[B, H, q, D]`.
+    """Causal attention over each row's real tokens; query `[B, H, q, D]`, key/value from index 0 -> `[B, H, q, Dv]`.
 
     FusedSDPA's valid-length mode serves inference on Gaudi (its `valid_seq_len` is an inference argument); elsewhere,
-    and in training, a row whose real tokens do not come first is permuted so that they do.
+    and in training, a row whose real tokens do not come first is permuted so that they do. `sinks`: one per head.
     """
     q_len = query.shape[2]
     key, value = key[:, :, :q_len], value[:, :, :q_len]  # a static cache's unused slots lie past the prompt
     inference = not (query.requires_grad or key.requires_grad or value.requires_grad)
-    valid_lengths = prompt.lengths if dispatch.on_hpu(query) and inference and prompt.side != "none" else None
+    valid_length_mode = dispatch.on_hpu(query) and inference and prompt.side != "none"
+    if sinks is not None:
+        valid_length_mode = valid_length_mode and dispatch.kernel_takes_sinks(query, key, sinks)
+    valid_lengths = prompt.lengths if valid_length_mode else None
     options = {
         "is_causal": True,
         "scale": scale,
         "dropout_p": dropout_p,
         "softmax_mode": softmax_mode,
         "recompute": recompute,
+        "sinks": sinks,
     }
     if prompt.side in ("none", "right") or (prompt.side == "left" and valid_lengths is not None):
         side = "right" if prompt.side == "right" else "left"
@@ -117,8 +122,9 @@ def segmented_sdpa(
     fast_softmax: bool,
     recompute: bool,
     sliding_window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Each sequence's queries over its own keys; query `[B, H, q, D]`, key/value `[B, Hkv, kv, D]` -> `[B, H, q, D]`.
+    """Each sequence's queries over its own keys; query `[B, H, q, D]`, key/value `[B, Hkv, kv, Dv]` -> `[B, H, q, Dv]`.
 
     Planned on the host: one exact call per sequence (the only O(N)-memory option with a backward pass on every
     device). Otherwise one call per layer, the same for every packing: FlexAttention with a block mask where it runs
@@ -135,8 +141,9 @@ def segmented_sdpa(
             fast_softmax=fast_softmax,
             recompute=recompute,
             sliding_window=sliding_window,
+            sinks=sinks,
         )
-    if flex_attention_applies(query, key, value):
+    if sinks is None and flex_attention_applies(query, key, value):
         output = flex_sdpa(query, key, value, segments, scale=scale, sliding_window=sliding_window)
     else:
         output = fused_sdpa(
@@ -149,6 +156,7 @@ def segmented_sdpa(
             dropout_p=dropout_p,
             softmax_mode="fast" if fast_softmax and query.shape[2] > 1 else "None",
             recompute=recompute,
+            sinks=sinks,
         )
     return output.masked_fill((segments.query_ids < 0)[:, None, :, None], 0.0)
 
@@ -225,6 +233,7 @@ def fused_attention_per_segment(
     fast_softmax: bool,
     recompute: bool,
     sliding_window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One fused call per segment (bounds are Python numbers: nothing is read from the device); queries in no segment
     get zeros. The kernels take no window and no bottom-right alignment, so a segment that needs either reads its own
@@ -244,6 +253,7 @@ def fused_attention_per_segment(
             dropout_p=dropout_p,
             softmax_mode="fast" if fast_softmax and query_length > 1 else "None",
             recompute=recompute,
+            sinks=sinks,
         )[0]
     return output
 

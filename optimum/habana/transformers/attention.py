@@ -24,6 +24,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.utils.generic import TransformersKwargs
 
 from ..kernels.dispatch import FusedSDPAUnavailable, fused_sdpa, warn_once
+from ..kernels.sinks import sink_weight_column
 from ..kernels.variable_length import (
     PaddedPrompt,
     Segment,
@@ -31,6 +32,7 @@ from ..kernels.variable_length import (
     padded_causal_sdpa,
     segment_mask,
     segmented_sdpa,
+    windowed_causal_mask,
 )
 from .attention_flags import DEFAULT_PATH_FLAGS, AttentionFlags, attention_flags_of, call_attention_flags
 from .batch_layout import paged_segments
@@ -90,6 +92,9 @@ def gaudi_attention_forward(
             kwargs.pop(name, None)
     elif cache is not None:
         kwargs["cache"] = cache  # named among the unknown arguments below
+    sinks = kwargs.pop("s_aux", None)  # gpt-oss's name; other families say `sinks`
+    sinks = kwargs.pop("sinks", None) if sinks is None else sinks
+    position_bias, selected_keys = kwargs.pop("position_bias", None), kwargs.pop("indices", None)
     unknown = set(kwargs) - IGNORED_ATTENTION_KWARGS
     if unknown:
         raise TypeError(
@@ -99,6 +104,13 @@ def gaudi_attention_forward(
         )
     if segments is not None:
         key, value = key[:, :, : segments.key_ids.shape[1]], value[:, :, : segments.key_ids.shape[1]]
+    per_row_sinks = sinks is not None and sinks.dim() > 1
+    if position_bias is not None or selected_keys is not None or (per_row_sinks and (padded_prompt or segments)):
+        # A bias per score, the keys an indexer selected per query, or sinks per row: the family's own attention
+        # reads them as a dense mask, and so do both paths here (the plan's layout becomes that mask).
+        attention_mask = planned_mask(attention_mask, padded_prompt, segments, sliding_window, key.shape[2])
+        attention_mask = scored_mask(attention_mask, query, key, is_causal, position_bias, selected_keys)
+        padded_prompt = segments = None
     if padded_prompt is not None and sliding_window is not None and query.shape[2] > sliding_window:
         # The window lives in transformers' mask, which this layer keeps (only windowless models go mask-free).
         if flags.use_flash_attention and flags.flash_attention_causal_mask:
@@ -120,16 +132,13 @@ def gaudi_attention_forward(
             try:
                 output = flash_attention(
                     module, query, key, value, attention_mask, scaling, dropout, flags, sliding_window, is_causal,
-                    padded_prompt, segments,
+                    padded_prompt, segments, sinks,
                 )  # fmt: skip
                 return output.transpose(1, 2).contiguous(), None
             except FusedSDPAUnavailable as error:
                 reason = str(error)
         warn_once(f"use_flash_attention: {reason}. Running the default attention instead; results are unchanged.")
-    if segments is not None:
-        attention_mask = segment_mask(segments, sliding_window)
-    elif padded_prompt is not None and (attention_mask is None or attention_mask.shape[-2] == 1):
-        attention_mask = prompt_mask(padded_prompt, key.shape[2])  # the real keys only: add causality
+    attention_mask = planned_mask(attention_mask, padded_prompt, segments, sliding_window, key.shape[2])
     softmax_dtype = query.dtype if flags.attn_softmax_bf16 else torch.float32
     return matmul_softmax_attention(
         query,
@@ -141,7 +150,58 @@ def gaudi_attention_forward(
         softmax_dtype,
         softcap=softcap,
         is_causal=is_causal is not False,
+        sinks=sinks,
     )
+
+
+def planned_mask(
+    attention_mask: torch.Tensor | None,
+    padded_prompt: PaddedPrompt | None,
+    segments: Segments | None,
+    sliding_window: int | None,
+    key_length: int,
+) -> torch.Tensor | None:
+    """The dense mask of the batch's plan, for calls that read one: the sequences of a packed batch, or a padded
+    prompt's real keys with causality (its layers got only the `[B, 1, 1, kv]` real keys, or transformers' mask)."""
+    if segments is not None:
+        return segment_mask(segments, sliding_window)
+    if padded_prompt is not None and (attention_mask is None or attention_mask.shape[-2] == 1):
+        return prompt_mask(padded_prompt, key_length)
+    return attention_mask
+
+
+def scored_mask(
+    attention_mask: torch.Tensor | None,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    is_causal: bool | None,
+    position_bias: torch.Tensor | None,
+    selected_keys: torch.Tensor | None,
+) -> torch.Tensor | None:
+    """The mask with what a family adds to the scores: the keys its indexer selected per query (`indices`, top-k
+    sparse attention: every other key masked, as the family does for its eager and SDPA paths) and an additive
+    position bias (a float mask, the bias added)."""
+    q_len, kv_len = query.shape[2], key.shape[2]
+    if attention_mask is None and q_len > 1 and is_causal is not False:
+        attention_mask = windowed_causal_mask(q_len, kv_len, None, query.device)[None, None]
+    if selected_keys is not None:
+        unselected = torch.ones(selected_keys.shape[0], q_len, kv_len, dtype=torch.bool, device=query.device)
+        unselected = unselected.scatter(-1, selected_keys.long(), False)[:, None]
+        if attention_mask is None:
+            attention_mask = ~unselected
+        elif attention_mask.dtype == torch.bool:
+            attention_mask = attention_mask & ~unselected
+        else:
+            attention_mask = attention_mask.masked_fill(unselected, torch.finfo(attention_mask.dtype).min)
+    if position_bias is not None:
+        if attention_mask is None:
+            attention_mask = position_bias.to(query.dtype)
+        elif attention_mask.dtype == torch.bool:
+            blocked = torch.finfo(query.dtype).min
+            attention_mask = position_bias.to(query.dtype).masked_fill(~attention_mask, blocked)
+        else:
+            attention_mask = attention_mask + position_bias.to(attention_mask.dtype)
+    return attention_mask
 
 
 def paged_step_segments(
@@ -182,8 +242,9 @@ def flash_attention(
     is_causal: bool | None,
     padded_prompt: PaddedPrompt | None,
     segments: Segments | None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Choose the kernel and its arguments for this call; returns `[B, H, q, D]`."""
+    """Choose the kernel and its arguments for this call; returns `[B, H, q, Dv]`."""
     is_prefill = query.shape[2] > 1
     dropout = dropout if module.training else 0.0
     # Recomputation trades compute for memory where there is memory to save: prefill and training.
@@ -199,10 +260,17 @@ def flash_attention(
             fast_softmax=flags.flash_attention_fast_softmax,
             recompute=flags.flash_attention_recompute,
             sliding_window=sliding_window,
+            sinks=sinks,
         )
     # The fast softmax pays off on long prompts only; decode stays exact (it cost throughput there).
     softmax_mode = "fast" if flags.flash_attention_fast_softmax and is_prefill else "None"
-    options = {"scale": scaling, "dropout_p": dropout, "softmax_mode": softmax_mode, "recompute": recompute}
+    options = {
+        "scale": scaling,
+        "dropout_p": dropout,
+        "softmax_mode": softmax_mode,
+        "recompute": recompute,
+        "sinks": sinks,
+    }
     if padded_prompt is not None:
         return padded_causal_sdpa(query, key, value, padded_prompt, **options)
     if attention_mask is None and is_prefill and is_causal is not False:
@@ -225,10 +293,12 @@ def matmul_softmax_attention(
     *,
     softcap: float | None = None,
     is_causal: bool = True,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The default path: `softmax(cap(Q Kᵀ * scale) + mask) V`, with the full score matrix.
 
     `softcap` bounds the logits as `softcap * tanh(logits / softcap)` before the mask, as Gemma 2 trains with.
+    `sinks` join each row's softmax as a last column that is then dropped (the weights returned leave them out).
     Grouped-query attention views the query as `[B, Hkv, groups, q, D]` so key/value are never repeated.
     """
     batch, heads, q_len, head_dim = query.shape
@@ -242,14 +312,20 @@ def matmul_softmax_attention(
     if attention_mask is None and q_len > 1 and is_causal:
         attention_mask = torch.ones(q_len, kv_len, dtype=torch.bool, device=query.device).tril()
     if attention_mask is not None:
-        if attention_mask.dim() == 4:
-            attention_mask = attention_mask.unsqueeze(2)  # [B, 1 or H, q, kv] -> broadcast over the groups
+        if attention_mask.dim() == 4 and attention_mask.shape[1] == heads > 1:  # one mask per head: group them
+            attention_mask = attention_mask.unflatten(1, (kv_heads, heads // kv_heads))
+        elif attention_mask.dim() == 4:
+            attention_mask = attention_mask.unsqueeze(2)  # [B, 1, q, kv] -> broadcast over the groups
         if attention_mask.dtype == torch.bool:
             scores = scores.masked_fill(~attention_mask, torch.finfo(scores.dtype).min)
         else:
             scores = scores + attention_mask
 
+    if sinks is not None:
+        scores = sink_weight_column(scores, sinks)
     probabilities = nn.functional.softmax(scores, dim=-1, dtype=softmax_dtype).to(query.dtype)
+    if sinks is not None:
+        probabilities = probabilities[..., :-1]
     masked = fully_masked_queries(attention_mask)
     if masked is not None:
         probabilities = probabilities.masked_fill(masked, 0.0)

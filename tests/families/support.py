@@ -1,0 +1,59 @@
+"""The Gaudi model of any family beside the stock one, and what the family tests compare."""
+
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import pytest
+import torch
+from transformers import AttentionInterface, PreTrainedModel
+
+from optimum.habana import gaudi_model_class
+from optimum.habana.transformers.models import family_report
+from tests.families.tiny_configs import tiny_family_config
+
+
+NEW_TOKENS = 3
+LENGTHS = [12, 5, 9]  # a left-padded batch, longer than the tiny windows and chunks (8 tokens)
+
+
+def family_pair(model_type: str, **overrides) -> tuple[PreTrainedModel, PreTrainedModel]:
+    """The Gaudi model and the stock eager model of a family, with the same random weights, in eval mode."""
+    gaudi_class = gaudi_model_class(model_type)
+    stock = next(cls for cls in gaudi_class.__mro__ if cls.__module__.startswith("transformers."))
+    config_class = gaudi_class.config_class
+    torch.manual_seed(0)
+    ours = gaudi_class(tiny_family_config(model_type, config_class, initializer_range=0.1, **overrides)).eval()
+    eager = tiny_family_config(
+        model_type, config_class, initializer_range=0.1, attn_implementation="eager", **overrides
+    )
+    reference = stock(eager)
+    reference.load_state_dict(ours.state_dict())
+    return ours, reference.eval()
+
+
+def attention_modules(model: torch.nn.Module, model_type: str) -> list[torch.nn.Module]:
+    """The modules whose attention goes through the interface: one Gaudi attention call each per forward."""
+    names = set(family_report(model_type).attention_classes)
+    return [module for module in model.modules() if type(module).__name__ in names]
+
+
+def greedy(model, inputs, **kwargs) -> torch.Tensor:
+    return model.generate(
+        **inputs, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0, **kwargs
+    )
+
+
+@contextmanager
+def attention_calls_by_module(monkeypatch: pytest.MonkeyPatch) -> Iterator[Counter]:
+    """Count the calls of the Gaudi attention per calling module (a family may call it more than once per layer)."""
+    calls: Counter = Counter()
+    registered = AttentionInterface._global_mapping["gaudi"]
+
+    def counted(module, *args, **kwargs):
+        calls[module] += 1
+        return registered(module, *args, **kwargs)
+
+    with monkeypatch.context() as patch:
+        patch.setitem(AttentionInterface._global_mapping, "gaudi", counted)
+        yield calls

@@ -1,0 +1,182 @@
+"""A tiny random config of any causal-LM family, built the way transformers' model testers build theirs: the same
+small sizes everywhere, and just enough layers that every kind of layer the family mixes appears once.
+
+One rule for every family (`SIZES`, only for the fields a config class has); the few families that need values of
+their own (a size another one must divide, a field set after the config is built) get them in `OVERRIDES`.
+"""
+
+import dataclasses
+import inspect
+import warnings
+
+from transformers import CONFIG_MAPPING, PreTrainedConfig
+
+
+SIZES = {
+    "vocab_size": 256,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "max_position_embeddings": 2048,
+    "pad_token_id": 0,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    # mixtures of experts: four small experts, two per token
+    "num_experts": 4,
+    "num_local_experts": 4,
+    "n_routed_experts": 4,
+    "num_experts_per_tok": 2,
+    "num_experts_per_token": 2,
+    "top_k_experts": 2,
+    "moe_intermediate_size": 32,
+    "shared_expert_intermediate_size": 32,
+    "moe_shared_expert_intermediate_size": 32,
+    "intermediate_size_mlp": 128,
+    "n_shared_experts": 1,
+    "num_shared_experts": 1,
+    "n_group": 1,
+    "num_expert_group": 1,
+    "topk_group": 1,
+    # latent attention: the value head (16) narrower than the query/key head (16 + 8)
+    "kv_lora_rank": 32,
+    "qk_nope_head_dim": 16,
+    "qk_rope_head_dim": 8,
+    "v_head_dim": 16,
+    # linear-attention and state-space layers
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+    "linear_head_dim": 16,
+    "linear_num_heads": 4,
+    "mamba_d_state": 16,
+    "mamba_n_heads": 8,
+    "mamba_d_head": 16,
+    "mamba_n_groups": 1,
+    "mamba_d_ssm": 128,
+    "mamba_chunk_size": 16,
+    "ssm_state_size": 16,
+    "mamba_num_heads": 8,
+    "mamba_head_dim": 16,
+    "n_groups": 1,
+    # sparse-attention indexers: fewer keys than a 12-token prompt, so the selection matters
+    "index_n_heads": 2,
+    "index_head_dim": 16,
+    "index_topk": 6,
+    # per-layer inputs (Gemma 3n/4)
+    "hidden_size_per_layer_input": 16,
+    "vocab_size_per_layer_input": 256,
+}
+# Windows and chunks shorter than the tests' 12-token prompts, where the family has them.
+WINDOWS = {"sliding_window": 8, "attention_chunk_size": 8}
+# Families whose configs need a value of their own; each entry says why.
+ROPE_PER_LAYER_TYPE = {kind: {"rope_type": "default", "rope_theta": 10000.0} for kind in ("full", "sliding")}
+OVERRIDES: dict[str, dict] = {
+    # rotary parameters per layer type, which its default leaves empty
+    "cohere_compass_text": {
+        "rope_parameters": {f"{kind}_attention": value for kind, value in ROPE_PER_LAYER_TYPE.items()}
+    },
+    # the last layers reuse earlier layers' keys and values: two of four, each kind produced before
+    "gemma3n_text": {
+        "num_hidden_layers": 4,
+        "layer_types": ["sliding_attention", "full_attention"] * 2,
+        "num_kv_shared_layers": 2,
+    },
+    # its default has no attention layer at all
+    "granitemoehybrid": {"num_hidden_layers": 2, "layer_types": ["linear_attention", "attention"]},
+    # its layer types have no default: a convolution layer, then an attention layer
+    "lfm2_moe": {"num_hidden_layers": 2, "layer_types": ["conv", "full_attention"], "num_dense_layers": 1},
+    # sizes under other names, and the attention's own sub-config
+    "dbrx": {
+        "d_model": 64,
+        "n_heads": 4,
+        "n_layers": 2,
+        "max_seq_len": 2048,
+        "attn_config": {"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},
+        "ffn_config": {"ffn_hidden_size": 128, "moe_num_experts": 4, "moe_top_k": 2},
+    },
+    # one expert per token only
+    "zaya": {"num_experts_per_tok": 1},
+    # its shared transformer block is tied across its attention layers: two of them
+    "zamba": {"num_hidden_layers": 5},
+}
+MAX_LAYERS = 8
+
+
+def tiny_family_config(model_type: str, config_class: type | None = None, **overrides) -> PreTrainedConfig:
+    """A tiny config of `model_type`, of `config_class` where the causal LM takes another than the model type's own
+    (a multimodal model type whose causal LM is the text model). Random weights come from the model's own init."""
+    config_class = config_class or CONFIG_MAPPING[model_type]
+    fields = _settable_fields(config_class)
+    values = {name: value for name, value in SIZES.items() if name in fields}
+    default = _default(config_class)
+    for name, value in WINDOWS.items():
+        if name in fields and getattr(default, name, None) is not None:
+            values[name] = value
+    if getattr(default, "q_lora_rank", None) is not None and "q_lora_rank" in fields:
+        values["q_lora_rank"] = 32
+    if "kv_lora_rank" in fields:  # latent attention expands its compressed keys and values to every head
+        values["num_key_value_heads"] = SIZES["num_attention_heads"]
+        if "head_dim" in fields:
+            values["head_dim"] = SIZES["qk_rope_head_dim"]  # the rotary part of a head
+    if "attn_layer_indices" in fields:  # hybrids that name their attention layers: the second one
+        values["attn_layer_indices"] = [1]
+    for name in ("attn_layer", "expert_layer"):  # hybrids that place them by period: every second layer
+        if f"{name}_period" in fields:
+            values[f"{name}_period"], values[f"{name}_offset"] = 2, 1
+    if getattr(default, "first_k_dense_replace", None) and "first_k_dense_replace" in fields:
+        values["first_k_dense_replace"] = 1
+    values.update(OVERRIDES.get(model_type, {}))
+    values.update(overrides)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        config = config_class(**values)
+        if "num_hidden_layers" in values.keys() & (overrides.keys() | OVERRIDES.get(model_type, {}).keys()):
+            return config
+        if "num_hidden_layers" not in fields:
+            return config
+        layers = _one_layer_of_each_kind(config)
+        values["num_hidden_layers"] = len(layers)
+        for name in ("layer_types", "mlp_layer_types"):
+            kinds = getattr(config, name, None)
+            if name in fields and isinstance(kinds, list) and kinds:
+                values[name] = [kinds[index] for index in layers]
+        return config_class(**values)
+
+
+def _settable_fields(config_class: type) -> set[str]:
+    names = set()
+    for klass in config_class.__mro__:
+        if dataclasses.is_dataclass(klass):
+            names |= {field.name for field in dataclasses.fields(klass)}
+        if "__init__" in vars(klass):
+            names |= set(inspect.signature(klass.__init__).parameters)
+    properties = {name for name in dir(config_class) if isinstance(getattr(config_class, name, None), property)}
+    return names - properties - {"self", "kwargs", "args"}
+
+
+def _default(config_class: type) -> PreTrainedConfig | None:
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return config_class()
+    except Exception:
+        return None
+
+
+def _one_layer_of_each_kind(config: PreTrainedConfig) -> list[int]:
+    """The indices of the layers to keep: the first layer of each kind (of layer and of MLP) the config mixes, in
+    order, and at least two."""
+    patterns = []
+    for name in ("layer_types", "mlp_layer_types", "layers_block_type"):
+        try:
+            kinds = getattr(config, name, None)
+        except Exception:
+            kinds = None
+        if isinstance(kinds, list | tuple) and kinds:
+            patterns.append(list(kinds))
+    first = {kinds.index(kind) for kinds in patterns for kind in set(kinds)}
+    keep = sorted(first | {0, 1})
+    return keep[:MAX_LAYERS]
