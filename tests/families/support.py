@@ -48,12 +48,15 @@ def greedy(model, inputs, **kwargs) -> torch.Tensor:
 def attention_calls_by_module(monkeypatch: pytest.MonkeyPatch) -> Iterator[Counter]:
     """Count the calls of the Gaudi attention per calling module (a family may call it more than once per layer)."""
     calls: Counter = Counter()
-    registered = AttentionInterface._global_mapping["gaudi"]
 
-    def counted(module, *args, **kwargs):
-        calls[module] += 1
-        return registered(module, *args, **kwargs)
+    def counted(registered):
+        def call(module, *args, **kwargs):
+            calls[module] += 1
+            return registered(module, *args, **kwargs)
+
+        return call
 
     with monkeypatch.context() as patch:
-        patch.setitem(AttentionInterface._global_mapping, "gaudi", counted)
+        for name in ("gaudi", "gaudi_fused_sdpa"):
+            patch.setitem(AttentionInterface._global_mapping, name, counted(AttentionInterface._global_mapping[name]))
         yield calls

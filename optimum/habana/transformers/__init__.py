@@ -23,6 +23,7 @@ from .models import (
     gaudi_model_class,
     supported_model_types,
 )
+from .registration import register_gaudi_attention
 
 
 __all__ = [
@@ -51,6 +52,7 @@ __all__ = [
     "gaudi_attention_forward",
     "gaudi_model_class",
     "matmul_softmax_attention",
+    "register_gaudi_attention",
     "resolve_attention_flags",
     "supported_model_types",
 ]

@@ -2,9 +2,7 @@
 
 With `use_flash_attention` it runs the fused kernel of the device (`optimum.habana.kernels`); otherwise, or when
 no fused kernel can honour the call (soft-capped logits, or inputs the device's kernel rejects), the explicit
-matmul-softmax attention. It is registered under the names "gaudi" and "gaudi_fused_sdpa" together with
-transformers' SDPA mask function, so any model family that looks its attention up through
-`ALL_ATTENTION_FUNCTIONS` can use it by setting `attn_implementation="gaudi"`.
+matmul-softmax attention. `registration.py` registers it under the names "gaudi" and "gaudi_fused_sdpa".
 
 The mask contract (from `transformers.masking_utils`): a boolean `[B, 1, q, kv]` mask (True = attend) or an
 additive float mask, or None when causality alone is exact: "causal, top-left aligned" for q > 1, "no mask" for
@@ -18,9 +16,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers import AttentionInterface, PreTrainedConfig
+from transformers import PreTrainedConfig
 from transformers.generation.continuous_batching.cache import PagedAttentionCache
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.utils.generic import TransformersKwargs
 
 from ..kernels.dispatch import FusedSDPAUnavailable, fused_sdpa, warn_once
@@ -406,13 +403,3 @@ def model_flag_defaults(module: nn.Module) -> dict[str, bool | None]:
     """The flags a Gaudi model's generation config sets, read from the attention module's view; none elsewhere."""
     config = getattr(module, "config", None)
     return attention_flags_of(config.model_generation_config) if isinstance(config, AttentionConfigView) else {}
-
-
-def register_gaudi_attention() -> None:
-    """Register the attention and its mask under our names; a name without a mask function gets no mask at all."""
-    for name in (ATTENTION_IMPLEMENTATION, FUSED_SDPA_IMPLEMENTATION):
-        AttentionInterface.register(name, gaudi_attention_forward)
-        AttentionMaskInterface.register(name, sdpa_mask)
-
-
-register_gaudi_attention()
