@@ -9,8 +9,8 @@ import torch
 
 from optimum.habana import gaudi_model_class
 from optimum.habana.kernels import dispatch
+from optimum.habana.transformers.families.qualification import causal_lm_model_types
 from optimum.habana.transformers.models import family_table
-from optimum.habana.transformers.models.qualification import causal_lm_model_types
 from tests.families.support import (
     LENGTHS,
     NEW_TOKENS,

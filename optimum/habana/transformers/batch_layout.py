@@ -29,6 +29,7 @@ from transformers.utils.import_utils import is_tracing
 
 from ..kernels.dispatch import host_reads_allowed, needs_padding_mask
 from ..kernels.variable_length import PaddedPrompt, PromptPaddingSide, Segment, Segments
+from .families.qualification import family_runs_mask_free
 
 
 PADDING_SIDES = ("none", "left", "right", "any")
@@ -145,7 +146,10 @@ def padding_side_of(attention_mask: torch.Tensor) -> PromptPaddingSide:
 
 
 def padding_mask_is_all_it_needs(config: PreTrainedConfig) -> bool:
-    """Whether every layer's mask is causal plus padding: no sliding window, no bidirectional or chunked layers."""
+    """Whether every layer's mask is causal plus padding (no sliding window, no bidirectional or chunked layers), and
+    only the attention reads it (`FamilyReport.mask_free`: no indexer, no linear-attention layer reads it)."""
+    if not family_runs_mask_free(config.model_type):
+        return False
     if not getattr(config, "is_causal", True) or getattr(config, "attention_chunk_size", None):
         return False
     layer_types = getattr(config, "layer_types", None)
@@ -155,7 +159,10 @@ def padding_mask_is_all_it_needs(config: PreTrainedConfig) -> bool:
 
 
 def can_run_packed(config: PreTrainedConfig) -> bool:
-    """Whether every layer's mask is causal, optionally windowed: what the packed attention reproduces per example."""
+    """Whether every layer's mask is causal, optionally windowed (what the packed attention reproduces per example),
+    and only the attention reads it."""
+    if not family_runs_mask_free(config.model_type):
+        return False
     if not getattr(config, "is_causal", True) or getattr(config, "attention_chunk_size", None):
         return False
     layer_types = getattr(config, "layer_types", None) or ()

@@ -40,6 +40,7 @@ from .batch_layout import is_padding_mask, padding_side_of, prompt_runs_mask_fre
 from .cache import BucketedStaticCache
 from .continuous_batching import ChosenAttnImplementation, engine_flags, init_manager
 from .decoder_inputs import prepare_decoder_call
+from .families.qualification import family_runs_mask_free
 from .generation import GaudiGenerationConfig, GaudiGenerationMixin
 
 
@@ -80,6 +81,7 @@ class GaudiAttentionMixin(GaudiGenerationMixin):
     def __init__(self, config: PreTrainedConfig, *args: Any, **kwargs: Any) -> None:
         # A copy: the attention choice written below must not leak into a stock model built from the same object.
         super().__init__(copy.deepcopy(config), *args, **kwargs)
+        family_runs_mask_free(self.config.model_type)  # known before any forward asks, also inside a graph
         view = AttentionConfigView(self.config, self.generation_config)
         self.__dict__["_attention_config_view"] = view
         for module in self.modules():

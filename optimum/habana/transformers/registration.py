@@ -6,7 +6,7 @@ class looks the attention up under "gaudi" whatever its config names (`Attention
 names one of these gets the same attention, calls and masks included.
 
 Each name comes with transformers' SDPA mask function, behind one check: the model's family must qualify
-(`models/qualification.py`). transformers accepts any registered name for any model, so a family whose attention
+(`families/qualification.py`). transformers accepts any registered name for any model, so a family whose attention
 bypasses the interface, or whose layers drop the flags, would otherwise run its own attention under a name that
 promises the kernel. The check runs where transformers builds the model's masks, before any layer.
 """
@@ -25,7 +25,7 @@ from .attention import (
     AttentionConfigView,
     gaudi_attention_forward,
 )
-from .models.qualification import family_report
+from .families.qualification import family_report
 
 
 def fused_attention_forward(module: nn.Module, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:

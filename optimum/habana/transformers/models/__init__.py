@@ -1,6 +1,7 @@
 """The Gaudi causal LMs: the 14 written classes, and one made from transformers' own class for every other family
-whose attention qualifies (`registry`, `qualification`)."""
+whose attention qualifies (`registry`; the rules are `families/qualification.py`)."""
 
+from ..families.qualification import FamilyReport, family_report
 from .modeling_causal_lm import (
     GAUDI_CAUSAL_LM_CLASSES,
     GaudiGemma2ForCausalLM,
@@ -18,7 +19,6 @@ from .modeling_causal_lm import (
     GaudiQwen3MoeForCausalLM,
     GaudiStarcoder2ForCausalLM,
 )
-from .qualification import FamilyReport, family_report
 from .registry import (
     adapt_transformers_to_gaudi,
     family_problem,

@@ -10,9 +10,9 @@ from typing import Any
 
 import transformers
 
+from ..families.qualification import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, family_report
 from ..modeling_utils import GaudiAttentionMixin
 from .modeling_causal_lm import GAUDI_CAUSAL_LM_CLASSES
-from .qualification import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, family_report
 
 
 @functools.cache

@@ -18,10 +18,10 @@ from transformers import AutoModelForCausalLM
 from ...utils.atomic import atomic_write_text
 from ...utils.model_loading import cache_root
 from ...version import __version__
+from ..families.qualification import FamilyReport, causal_lm_model_types, family_report
 from ..modeling_utils import GaudiAttentionMixin
 from .generated import gaudi_class_of
 from .modeling_causal_lm import GAUDI_CAUSAL_LM_CLASSES
-from .qualification import FamilyReport, causal_lm_model_types, family_report
 
 
 def family_table() -> dict[str, FamilyReport]:
@@ -55,7 +55,7 @@ def _fingerprint() -> str:
     """The installed transformers (version and modeling files) and this package's rules, as a short hash."""
     digest = hashlib.sha256(f"{transformers.__version__} {__version__}".encode())
     for rules in ("qualification.py", "source_facts.py"):
-        digest.update(Path(__file__).with_name(rules).read_bytes())
+        digest.update((Path(__file__).parents[1] / "families" / rules).read_bytes())
     for path in sorted(Path(transformers.__file__).parent.glob("models/*/modeling_*.py")):
         status = path.stat()
         digest.update(f"{path.name} {status.st_size} {status.st_mtime_ns}".encode())

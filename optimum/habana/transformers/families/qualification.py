@@ -336,6 +336,18 @@ def _mask_free(stock: type, edges: dict[type, list[tuple[str, type]]], attention
     return True
 
 
+_MASK_FREE: dict[str, bool] = {}
+
+
+def family_runs_mask_free(model_type: str) -> bool:
+    """`family_report(model_type).mask_free`, kept in a plain dict: the decoder asks on every forward, also while
+    torch.compile traces it (a Gaudi model asks once when it is built, so the answer is known by then)."""
+    known = _MASK_FREE.get(model_type)
+    if known is None:
+        known = _MASK_FREE[model_type] = family_report(model_type).mask_free
+    return known
+
+
 def qualifying_model_types() -> tuple[str, ...]:
     return tuple(model_type for model_type in causal_lm_model_types() if family_report(model_type).qualifies)
 
@@ -345,6 +357,7 @@ __all__ = [
     "FamilyReport",
     "causal_lm_model_types",
     "family_report",
+    "family_runs_mask_free",
     "qualifying_model_types",
     "transformers",
 ]
