@@ -31,6 +31,21 @@ SIGNATURES = {
         "valid_seq_len",
         "seq_padding_type",
     ),
+    # Later 1.18-style kernels: four trailing extras; the recompute variant reads the window and the sinks.
+    "1.18-sinks": (
+        "attn_mask",
+        "dropout_p",
+        "is_causal",
+        "scale",
+        "softmax_mode",
+        "recompute_mode",
+        "valid_seq_len",
+        "seq_padding_type",
+        "return_dropout_mask",
+        "return_attn_probs",
+        "window_size",
+        "sink",
+    ),
     "1.16": ("attn_mask", "dropout_p", "is_causal", "scale", "softmax_mode"),
     "1.13": ("attn_mask", "dropout_p", "is_causal", "scale"),
 }
@@ -65,8 +80,9 @@ def input_hash(value) -> int:
     return hash(value)
 
 
-def reference_sdpa(query, key, value, attn_mask, is_causal, scale, valid_seq_len, seq_padding_type):
-    """Plain attention in fp32, with the kernel's own conventions."""
+def reference_sdpa(query, key, value, attn_mask, is_causal, scale, valid_seq_len, seq_padding_type, sink=None):
+    """Plain attention in fp32, with the kernel's own conventions; `sink` (one logit per head) joins each row's
+    softmax and is dropped."""
     batch, heads, q_len, head_dim = query.shape
     kv_len = key.shape[2]
     groups = heads // key.shape[1]
@@ -88,7 +104,12 @@ def reference_sdpa(query, key, value, attn_mask, is_causal, scale, valid_seq_len
     scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
     if attn_mask is not None:
         scores = scores + attn_mask.float()
-    return torch.matmul(scores.softmax(dim=-1), value).to(query.dtype)
+    if sink is not None:
+        column = sink.float().view(1, heads, 1, 1).expand(batch, heads, q_len, 1)
+        probabilities = torch.cat([scores, column], dim=-1).softmax(dim=-1)[..., :-1]
+    else:
+        probabilities = scores.softmax(dim=-1)
+    return torch.matmul(probabilities, value).to(query.dtype)
 
 
 def install(monkeypatch, version: str = "1.18") -> FakeHabana:
@@ -114,6 +135,13 @@ def install(monkeypatch, version: str = "1.18") -> FakeHabana:
             assert arguments["is_causal"] and mask is None, "valid_seq_len is accepted only with is_causal, no mask"
         if "seq_padding_type" in arguments:
             assert arguments["seq_padding_type"] in ("left", "right")
+        if arguments.get("sink") is not None:
+            assert arguments["recompute_mode"] is True, "only the recompute variant reads the sinks"
+            assert arguments["sink"].shape == (query.shape[1],), "one sink logit per query head"
+            grad = torch.is_grad_enabled() and (query.requires_grad or arguments["sink"].requires_grad)
+            assert not grad, "its backward returns no gradient for the sinks: inference only"
+            assert arguments["return_dropout_mask"] is False and arguments["return_attn_probs"] is False
+            assert arguments["window_size"] == (-1, -1)
 
     class FusedSDPA:
         @staticmethod
@@ -122,8 +150,10 @@ def install(monkeypatch, version: str = "1.18") -> FakeHabana:
 
         @staticmethod
         def apply(query, key, value, *positional):
-            assert len(positional) == len(names), f"Gaudi {version} takes {len(names)} arguments after q, k, v"
-            arguments = dict(zip(names, positional, strict=True))
+            # The trailing extras have defaults: a 1.18-style call may stop after seq_padding_type.
+            allowed = {len(names), len(SIGNATURES["1.18"])} if version == "1.18-sinks" else {len(names)}
+            assert len(positional) in allowed, f"Gaudi {version} takes {len(names)} arguments after q, k, v"
+            arguments = dict(zip(names, positional, strict=False))
             check_contract(query, key, value, arguments)
             context = state.recompute_context[-1] if state.recompute_context else None
             state.calls.append(KernelCall(query, key, value, arguments, len(positional), context))
@@ -136,6 +166,7 @@ def install(monkeypatch, version: str = "1.18") -> FakeHabana:
                 arguments["scale"],
                 arguments.get("valid_seq_len"),
                 arguments.get("seq_padding_type", "left"),
+                arguments.get("sink"),
             )
 
     # Give forward the version's real parameter names, which is what the library inspects.

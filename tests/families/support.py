@@ -60,3 +60,13 @@ def attention_calls_by_module(monkeypatch: pytest.MonkeyPatch) -> Iterator[Count
         for name in ("gaudi", "gaudi_fused_sdpa"):
             patch.setitem(AttentionInterface._global_mapping, name, counted(AttentionInterface._global_mapping[name]))
         yield calls
+
+
+def repeated_layers(config, times: int) -> dict:
+    """Config overrides that repeat the config's layers (and their kinds) `times` over."""
+    overrides = {"num_hidden_layers": config.num_hidden_layers * times}
+    for name in ("layer_types", "mlp_layer_types"):
+        kinds = getattr(config, name, None)
+        if isinstance(kinds, list) and len(kinds) == config.num_hidden_layers:
+            overrides[name] = kinds * times
+    return overrides

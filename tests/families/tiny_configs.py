@@ -99,10 +99,34 @@ OVERRIDES: dict[str, dict] = {
     },
     # one expert per token only
     "zaya": {"num_experts_per_tok": 1},
+    # its MLP width under its own name
+    "ctrl": {"dff": 128},
+    # its sliding-window layers' own geometry (per-layer heads and sizes), small too
+    "dots3_note_text": {
+        "swa_num_attention_heads": 2,
+        "swa_num_key_value_heads": 2,
+        "swa_q_lora_rank": 16,
+        "swa_kv_lora_rank": 16,
+        "swa_head_dim": 24,
+        "swa_qk_nope_head_dim": 16,
+        "swa_v_head_dim": 8,
+    },
+    # its layer count and zero-compute experts under their own names
+    "longcat_flash": {"num_layers": 2, "zero_expert_num": 2},
     # its shared transformer block is tied across its attention layers: two of them
     "zamba": {"num_hidden_layers": 5},
 }
 MAX_LAYERS = 8
+
+
+def without_dropout(config_class: type) -> dict[str, float]:
+    """Every dropout (and router noise) of a config class at 0: training steps then compare exactly."""
+    return {
+        name: 0.0
+        for name in _settable_fields(config_class)
+        if any(part in name for part in ("dropout", "pdrop", "jitter"))
+        if not isinstance(getattr(_default(config_class), name, None), bool)
+    }
 
 
 def tiny_family_config(model_type: str, config_class: type | None = None, **overrides) -> PreTrainedConfig:
@@ -110,7 +134,12 @@ def tiny_family_config(model_type: str, config_class: type | None = None, **over
     (a multimodal model type whose causal LM is the text model). Random weights come from the model's own init."""
     config_class = config_class or CONFIG_MAPPING[model_type]
     fields = _settable_fields(config_class)
-    values = {name: value for name, value in SIZES.items() if name in fields}
+    aliases = getattr(config_class, "attribute_map", {})  # a config's own names: n_embd for hidden_size, ...
+    values = {}
+    for name, value in SIZES.items():
+        field_name = name if name in fields else aliases.get(name)
+        if field_name in fields:
+            values[field_name] = value
     default = _default(config_class)
     for name, value in WINDOWS.items():
         if name in fields and getattr(default, name, None) is not None:
@@ -133,12 +162,13 @@ def tiny_family_config(model_type: str, config_class: type | None = None, **over
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         config = config_class(**values)
-        if "num_hidden_layers" in values.keys() & (overrides.keys() | OVERRIDES.get(model_type, {}).keys()):
+        layers_field = "num_hidden_layers" if "num_hidden_layers" in fields else aliases.get("num_hidden_layers")
+        if layers_field in values.keys() & (overrides.keys() | OVERRIDES.get(model_type, {}).keys()):
             return config
-        if "num_hidden_layers" not in fields:
+        if layers_field not in fields:
             return config
         layers = _one_layer_of_each_kind(config)
-        values["num_hidden_layers"] = len(layers)
+        values[layers_field] = len(layers)
         for name in ("layer_types", "mlp_layer_types"):
             kinds = getattr(config, name, None)
             if name in fields and isinstance(kinds, list) and kinds:

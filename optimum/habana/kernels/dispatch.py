@@ -112,7 +112,7 @@ def kernel_takes_sinks(query: torch.Tensor, key: torch.Tensor, sinks: torch.Tens
     if not on_hpu(query):
         return False
     kernel = hpu_kernel()
-    grad = query.requires_grad or key.requires_grad or sinks.requires_grad
+    grad = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or sinks.requires_grad)
     return kernel is not None and kernel.takes_sinks and not grad and sinks.dim() == 1
 
 

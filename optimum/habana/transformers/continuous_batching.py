@@ -41,6 +41,7 @@ from transformers.generation.continuous_batching.requests import RequestState
 
 from .attention_flags import attention_flags_of
 from .batch_layout import padding_mask_is_all_it_needs
+from .families.qualification import family_report
 
 
 logger = logging.getLogger(__name__)
@@ -222,6 +223,26 @@ def blocks_needed(tokens: int, page_size: int, config: Any) -> int:
     return math.ceil(pages / layers)
 
 
+def check_engine_serves(model: Any) -> None:
+    """Refuse, in one line and before any request, a family transformers' engine cannot serve. Its paged cache holds
+    full and sliding-window attention layers of one geometry, `config.head_dim` per head: latent attention (keys and
+    values of other sizes: stock fails every request), other layer kinds (linear attention, chunked or indexed
+    attention) and per-layer geometry are refused by the engine itself, deep inside it."""
+    config = model.config
+    name = type(model).__name__
+    if "latent attention" in " ".join(family_report(config.model_type).variants):
+        problem = "its latent attention keeps keys and values of other sizes than config.head_dim, which the paged cache holds"
+    elif other := sorted(set(getattr(config, "layer_types", None) or ()) - {"full_attention", "sliding_attention"}):
+        problem = f"its layers of kind {', '.join(other)} have no paged cache (only full and sliding-window attention)"
+    elif getattr(config, "is_heterogeneous", False):
+        problem = "its head counts and sizes vary per layer, and the paged cache holds one geometry"
+    else:
+        return
+    raise ValueError(
+        f"{name} cannot run in transformers' continuous batching: {problem}. Use generate() for this model."
+    )
+
+
 def init_manager(
     model: Any,
     generation_config: GenerationConfig | None,
@@ -229,6 +250,7 @@ def init_manager(
     workload_hints: Any,
 ) -> ContinuousBatchingManager:
     """`init_continuous_batching` as transformers does it, with the Gaudi manager."""
+    check_engine_serves(model)
     cached = getattr(model, "_cached_continuous_batching_manager", None)
     if isinstance(cached, ContinuousBatchingManager):
         cached.switch_to_cb_friendly_attn(model, False)
@@ -253,6 +275,7 @@ __all__ = [
     "RequestInterrupted",
     "RequestRefused",
     "blocks_needed",
+    "check_engine_serves",
     "engine_attention",
     "engine_config",
     "engine_flags",
