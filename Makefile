@@ -5,7 +5,7 @@ PYTHON ?= python3
 TORCH ?= torch==2.13.0
 PYTEST_WORKERS ?= 2
 
-.PHONY: install test quality style benchmark
+.PHONY: install test test-families quality style benchmark
 
 install:
 	$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install "$(TORCH)"
@@ -15,6 +15,11 @@ install:
 
 test:
 	$(PYTHON) -m pytest -n $(PYTEST_WORKERS) --durations=20 tests
+
+# Every qualifying family's static-cache generate, training step and packed training step (about 10 minutes on
+# 2 cores): the `families` marker, which `make test` leaves out; CI runs both.
+test-families:
+	$(PYTHON) -m pytest -n $(PYTEST_WORKERS) -m families tests/families
 
 quality:
 	$(PYTHON) -m ruff check .

@@ -1,0 +1,112 @@
+"""Every qualifying family beyond the prompt: a static-cache generate, a training step, a packed training step.
+
+These take about 4 seconds a family, so they run outside `make test`, in `.ci/run` (`make test-families`), under
+the `families` marker. What they hold each family to is what the 14 written families are held to in tests/core.
+"""
+
+import pytest
+import torch
+from transformers import DataCollatorWithFlattening
+
+from optimum.habana import gaudi_model_class, supported_model_types
+from optimum.habana.transformers.batch_layout import can_run_packed
+from tests.families.support import LENGTHS, family_pair, greedy
+from tests.families.tiny_configs import without_dropout
+from tests.helpers import left_padded_batch
+
+
+pytestmark = pytest.mark.families
+
+
+def one_model_type_per_class() -> list[str]:
+    """Model types that share a class (`llama4` and `llama4_text`) are one family here."""
+    seen, kept = set(), []
+    for model_type in supported_model_types():
+        gaudi_class = gaudi_model_class(model_type)
+        if gaudi_class not in seen:
+            seen.add(gaudi_class)
+            kept.append(model_type)
+    return kept
+
+
+FAMILY_TYPES = one_model_type_per_class()
+
+
+def training_pair(model_type: str):
+    config_class = gaudi_model_class(model_type).config_class
+    ours, stock = family_pair(model_type, **without_dropout(config_class))
+    return ours.train(), stock.train()
+
+
+def right_padded(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The same rows with their padding moved to the right."""
+    order = torch.argsort(1 - batch["attention_mask"], dim=1, stable=True)
+    return {name: tensor.gather(1, order) for name, tensor in batch.items()}
+
+
+def gradients(model) -> dict[str, torch.Tensor]:
+    return {name: parameter.grad for name, parameter in model.named_parameters() if parameter.grad is not None}
+
+
+def assert_same_gradients(ours, stock) -> None:
+    expected = gradients(stock)
+    found = gradients(ours)
+    assert found.keys() == expected.keys()
+    for name, gradient in expected.items():
+        scale = max(1.0, gradient.abs().max().item())
+        assert (found[name] - gradient).abs().max() <= 1e-4 * scale, name
+
+
+@pytest.mark.parametrize("model_type", FAMILY_TYPES)
+def test_static_cache_generate_gives_stock_tokens(model_type):
+    ours, stock = family_pair(model_type)
+    inputs = left_padded_batch(LENGTHS)
+    try:
+        reference = greedy(stock, inputs, cache_implementation="static")
+    except Exception as stock_error:  # the family itself has no static cache (linear-attention layers, say)
+        with pytest.raises(type(stock_error)):
+            greedy(ours, inputs, cache_implementation="static", use_flash_attention=True)
+        return
+    assert torch.equal(greedy(ours, inputs, cache_implementation="static", use_flash_attention=True), reference)
+    assert torch.equal(greedy(ours, inputs, cache_implementation="static"), reference)
+
+
+@pytest.mark.parametrize("model_type", FAMILY_TYPES)
+def test_training_step_gives_stock_loss_and_gradients(model_type):
+    ours, stock = training_pair(model_type)
+    inputs = right_padded(left_padded_batch(LENGTHS, seed=1))  # training pads on the right: no pad position is scored
+    labels = inputs["input_ids"].masked_fill(inputs["attention_mask"] == 0, -100)
+    expected = stock(**inputs, labels=labels, use_cache=False).loss
+    expected.backward()
+    loss = ours(**inputs, labels=labels, use_cache=False, use_flash_attention=True).loss
+    loss.backward()
+    assert abs(loss.item() - expected.item()) <= 1e-5
+    assert_same_gradients(ours, stock)
+
+
+@pytest.mark.parametrize("model_type", FAMILY_TYPES)
+def test_packed_training_step(model_type):
+    """Where the family runs packed (`can_run_packed`), each example as alone, as the written families do; elsewhere
+    the batch as stock transformers' eager attention computes it (the examples see each other, as with stock SDPA)."""
+    ours, stock = training_pair(model_type)
+    generator = torch.Generator().manual_seed(2)
+    features = [{"input_ids": torch.randint(3, 256, (length,), generator=generator).tolist()} for length in (7, 5)]
+    for feature in features:
+        feature["labels"] = feature["input_ids"]
+    batch = DataCollatorWithFlattening()(features)
+    loss = ours(**batch, use_flash_attention=True).loss
+    loss.backward()
+    if can_run_packed(ours.config):
+        predicted = sum(len(feature["input_ids"]) - 1 for feature in features)
+        expected = 0.0
+        for feature in features:
+            ids = torch.tensor([feature["input_ids"]])
+            alone = stock(input_ids=ids, labels=ids).loss * (ids.shape[1] - 1) / predicted
+            alone.backward()
+            expected += alone.item()
+    else:
+        stock_loss = stock(**batch).loss
+        stock_loss.backward()
+        expected = stock_loss.item()
+    assert abs(loss.item() - expected) <= 1e-5
+    assert_same_gradients(ours, stock)
