@@ -70,3 +70,14 @@ def repeated_layers(config, times: int) -> dict:
         if isinstance(kinds, list) and len(kinds) == config.num_hidden_layers:
             overrides[name] = kinds * times
     return overrides
+
+
+def save_family_checkpoint(folder, model_type: str, tokenizer) -> "Path":
+    """A stock checkpoint of a tiny `model_type`, as a user would pass it, with `tokenizer` beside it."""
+    config_class = gaudi_model_class(model_type).config_class
+    config = tiny_family_config(model_type, config_class, vocab_size=len(tokenizer), initializer_range=0.1)
+    stock = next(cls for cls in gaudi_model_class(model_type).__mro__ if cls.__module__.startswith("transformers."))
+    torch.manual_seed(0)
+    stock(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder

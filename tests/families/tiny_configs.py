@@ -67,7 +67,6 @@ SIZES = {
     "index_topk": 6,
     # per-layer inputs (Gemma 3n/4)
     "hidden_size_per_layer_input": 16,
-    "vocab_size_per_layer_input": 256,
 }
 # Windows and chunks shorter than the tests' 12-token prompts, where the family has them.
 WINDOWS = {"sliding_window": 8, "attention_chunk_size": 8}
@@ -159,6 +158,8 @@ def tiny_family_config(model_type: str, config_class: type | None = None, **over
         values["first_k_dense_replace"] = 1
     values.update(OVERRIDES.get(model_type, {}))
     values.update(overrides)
+    if "vocab_size_per_layer_input" in fields and "vocab_size" in values:  # Gemma 3n/4: one vocabulary for both
+        values["vocab_size_per_layer_input"] = values["vocab_size"]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         config = config_class(**values)

@@ -3,7 +3,7 @@ LayerNorm tuning) through PEFT, on every supported family.
 
 PEFT knows default target modules for some model types only (none for Phi3, StarCoder2, Granite, OLMo2 or the
 MoE families), so the defaults here are read from the model itself: the attention projections for LoRA, AdaLoRA
-and VeRA, the key/value projections and the dense MLP's down projection for IA3, every normalization layer for
+and VeRA (the usual names, and the linear layers inside the family's attention modules: latent attention's), the key/value projections and the dense MLP's down projection for IA3, every normalization layer for
 LayerNorm tuning. PEFT's adaption prompt (llama-adapter) rewrites Llama- and Mistral-style attention only; for any
 other family the run stops before the model loads, naming the families that work.
 
@@ -31,6 +31,7 @@ from transformers import PreTrainedConfig, PreTrainedModel, TrainerCallback
 from transformers.pytorch_utils import Conv1D
 
 from optimum.habana.transformers.attention_flags import attention_flags_of
+from optimum.habana.transformers.families.qualification import family_report
 
 from .errors import FineTuningError
 
@@ -194,7 +195,21 @@ def default_targets(peft_type: str, model: PreTrainedModel) -> tuple[list[str], 
         }
         attention = [name for name in IA3_ATTENTION_TARGETS if name in names]
         return attention + sorted(mlp_outputs), sorted(mlp_outputs)
-    return [name for name in ATTENTION_PROJECTIONS if name in names], []
+    known = [name for name in ATTENTION_PROJECTIONS if name in names]
+    return known + sorted(attention_linears(model) - set(known)), []
+
+
+def attention_linears(model: PreTrainedModel) -> set[str]:
+    """The linear layers inside the family's attention modules (latent attention's q_a_proj, kv_b_proj, ...): the
+    attention projections of a family whose names the list above does not know."""
+    attention_classes = set(family_report(model.config.model_type).attention_classes)
+    return {
+        name
+        for module in model.modules()
+        if type(module).__name__ in attention_classes
+        for name, child in module.named_children()
+        if isinstance(child, torch.nn.Linear | Conv1D)
+    }
 
 
 def peft_config(peft_args: PeftArguments, lora_args: Any, model: PreTrainedModel) -> PeftConfig:

@@ -1,0 +1,84 @@
+"""The example scripts and the server on saved tiny checkpoints of the new variants: a hybrid, a latent-attention, a
+sink and a per-layer-geometry family, each with the flag reaching every attention call and the default path's
+results. `make test` runs each script on one of them and each of them through one script; the whole matrix runs
+under the `families` marker (`make test-families`)."""
+
+import pytest
+
+from tests.families.support import save_family_checkpoint
+from tests.finetuning.support import TOLERANCE, build_tokenizer, run_script, script_args
+from tests.generation.support import outputs, run_in_process
+from tests.helpers import count_attention_paths, load_script, train_tiny_tokenizer
+
+
+VARIANT_FAMILIES = {
+    "qwen3_next": "hybrid",
+    "deepseek_v3": "latent attention",
+    "gpt_oss": "attention sinks",
+    "gemma4_text": "per-layer geometry",
+}
+SCRIPTS = ("run_generation", "run_lora_clm", "run_lm_eval", "serve")
+DIAGONAL = set(zip(SCRIPTS, VARIANT_FAMILIES, strict=True))
+CASES = [
+    pytest.param(script, model_type, marks=() if (script, model_type) in DIAGONAL else pytest.mark.families)
+    for script in SCRIPTS
+    for model_type in VARIANT_FAMILIES
+]
+
+
+def run_generation(model_type: str, folder) -> None:
+    script = load_script("examples/text-generation/run_generation.py")
+    checkpoint = save_family_checkpoint(folder / "checkpoint", model_type, train_tiny_tokenizer(chat_template=True))
+    argv = ["--model_name_or_path", str(checkpoint), "--batch_size", "2", "--max_new_tokens", "4"]
+    argv += ["--warmup", "0", "--n_iterations", "1"]
+    default = run_in_process(script, argv, folder / "default")
+    with pytest.MonkeyPatch.context() as patch, count_attention_paths(patch, profile=False) as counts:
+        flash = run_in_process(script, [*argv, "--use_flash_attention"], folder / "flash")
+    assert outputs(flash) == outputs(default) and all(outputs(flash))
+    assert counts["fused"] > 0 and counts["default"] == 0
+
+
+def run_lora_clm(model_type: str, folder) -> None:
+    script = load_script("examples/language-modeling/run_lora_clm.py")
+    checkpoint = save_family_checkpoint(folder / "checkpoint", model_type, build_tokenizer())
+    common = "--do_train --max_steps 2 --per_device_train_batch_size 2 --logging_steps 1 --lora_dropout 0"
+    runs = {
+        flag: run_script(
+            script, script_args(checkpoint, folder / flag, *common.split(), "--use_flash_attention", flag), False
+        )
+        for flag in ("False", "True")
+    }
+    assert runs["True"].counts["fused"] > 0 and runs["True"].counts["default"] == 0
+    for default, flash in zip(runs["False"].losses, runs["True"].losses, strict=True):
+        assert abs(default - flash) <= TOLERANCE
+
+
+def run_lm_eval(model_type: str, folder) -> None:
+    from tests.evaluation.test_run_lm_eval import evaluate
+
+    script = load_script("examples/text-generation/run_lm_eval.py")
+    checkpoint = save_family_checkpoint(folder / "checkpoint", model_type, train_tiny_tokenizer(chat_template=False))
+    argv = ["--tasks", "flash_mc", "-L", "2", "--model_name_or_path", str(checkpoint)]
+    default, _ = evaluate(script, argv, folder / "default.json")
+    flash, calls = evaluate(script, [*argv, "--use_flash_attention"], folder / "flash.json")
+    assert flash["results"]["flash_mc"] == default["results"]["flash_mc"]
+    assert calls and {path for path, _ in calls} == {"fused"}
+
+
+def serve(model_type: str, folder) -> None:
+    from tests.serving.servers import RunningServer
+
+    checkpoint = save_family_checkpoint(folder / "checkpoint", model_type, train_tiny_tokenizer(chat_template=True))
+    with pytest.MonkeyPatch.context() as patch, count_attention_paths(patch, profile=False) as counts:
+        server = RunningServer(checkpoint, flags={"use_flash_attention": True})
+        try:
+            answer = server.chat("The quick brown fox")
+        finally:
+            server.stop()
+    assert isinstance(answer, str)
+    assert counts["fused"] > 0 and counts["default"] == 0
+
+
+@pytest.mark.parametrize(("script", "model_type"), CASES)
+def test_script_runs_the_family_fused(script, model_type, tmp_path):
+    globals()[script](model_type, tmp_path)
