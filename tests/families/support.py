@@ -3,6 +3,7 @@
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 import torch
@@ -72,7 +73,7 @@ def repeated_layers(config, times: int) -> dict:
     return overrides
 
 
-def save_family_checkpoint(folder, model_type: str, tokenizer) -> "Path":
+def save_family_checkpoint(folder: Path, model_type: str, tokenizer) -> Path:
     """A stock checkpoint of a tiny `model_type`, as a user would pass it, with `tokenizer` beside it."""
     config_class = gaudi_model_class(model_type).config_class
     config = tiny_family_config(model_type, config_class, vocab_size=len(tokenizer), initializer_range=0.1)
