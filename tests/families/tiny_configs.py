@@ -110,6 +110,8 @@ OVERRIDES: dict[str, dict] = {
         "swa_qk_nope_head_dim": 16,
         "swa_v_head_dim": 8,
     },
+    # its pattern of global and local layers, for its two layers
+    "gpt_neo": {"num_layers": 2, "attention_types": [[["global", "local"], 1]]},
     # its layer count and zero-compute experts under their own names
     "longcat_flash": {"num_layers": 2, "zero_expert_num": 2},
     # its shared transformer block is tied across its attention layers: two of them
