@@ -16,8 +16,9 @@ PACKAGE = ROOT / "optimum" / "habana"
 MAX_MODULE_LINES = 500
 MAX_MODULES_PER_FOLDER = 12
 SCRIPTS_PACKAGE = "optimum.habana.cli"
-# `python -m optimum.habana.serve`: the public entry point of the server, a thin module that starts `cli.serving`.
-ENTRY_POINTS = {"optimum.habana.serve"}
+# `python -m optimum.habana.serve` and `python -m optimum.habana.families`: public entry points, thin modules that
+# start their command in `cli`.
+ENTRY_POINTS = {"optimum.habana.serve", "optimum.habana.families"}
 
 
 def module_name(path: Path) -> str:

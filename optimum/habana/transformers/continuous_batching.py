@@ -41,7 +41,7 @@ from transformers.generation.continuous_batching.requests import RequestState
 
 from .attention_flags import attention_flags_of
 from .batch_layout import padding_mask_is_all_it_needs
-from .families.qualification import family_report
+from .families.qualification import LATENT, family_report
 
 
 logger = logging.getLogger(__name__)
@@ -230,7 +230,7 @@ def check_engine_serves(model: Any) -> None:
     attention) and per-layer geometry are refused by the engine itself, deep inside it."""
     config = model.config
     name = type(model).__name__
-    if "latent attention" in " ".join(family_report(config.model_type).variants):
+    if LATENT in family_report(config.model_type).variants:
         problem = "its latent attention keeps keys and values of other sizes than config.head_dim, which the paged cache holds"
     elif other := sorted(set(getattr(config, "layer_types", None) or ()) - {"full_attention", "sliding_attention"}):
         problem = f"its layers of kind {', '.join(other)} have no paged cache (only full and sliding-window attention)"

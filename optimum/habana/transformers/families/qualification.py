@@ -70,6 +70,32 @@ REFUSED_ARGUMENTS = {"block_indices": "block-sparse attention from an indexer"}
 CROSS_ATTENTION_INPUTS = {"encoder_hidden_states", "key_value_states", "cross_attention_states"}
 # Sub-configs of models that read more than text.
 MULTIMODAL_PARTS = ("vision", "audio", "image", "speech", "video", "visual")
+# The attention variants a family's code can show, and how the fused path computes each (docs/families.md).
+SINKS = "attention sinks"
+LATENT = "latent attention (value head size differs from the query's)"
+SELECTED_KEYS = "sparse attention (the keys an indexer selects)"
+POSITION_BIAS = "additive position bias"
+SOFTCAP = "soft-capped logits"
+CHUNKED = "chunked local attention"
+ALTERNATING = "sliding window on some layers, alternating with full attention"
+WINDOW = "sliding window"
+HYBRID = "hybrid (attention beside linear-attention or state-space layers)"
+PER_LAYER = "per-layer head counts and sizes"
+PLAIN = "plain causal attention"
+FUSED_PATHS = {
+    PLAIN: "fused; a padded prompt causally over its real tokens, no mask built",
+    SINKS: "fused: each sink as one more key of score `sink` and value 0 (FusedSDPA's own sink argument where the "
+    "Gaudi software has it, in inference); gradients reach the sinks",
+    LATENT: "fused: the value padded to the query's head size for the call only; the cache keeps its own sizes",
+    SELECTED_KEYS: "fused, over the keys the indexer selected (the family's own selection, as a mask), never dense",
+    POSITION_BIAS: "fused, the bias added to the mask as a float mask",
+    SOFTCAP: "default path, one warning: no fused kernel applies tanh to the scores",
+    CHUNKED: "fused; each layer reads its chunked mask",
+    ALTERNATING: "fused; the windowed layers read their window's mask, the full ones run as plain causal attention",
+    WINDOW: "fused; the window through the mask",
+    HYBRID: "the attention layers fused; linear-attention and state-space layers left to the family, caches as stock's",
+    PER_LAYER: "fused; heads and head sizes read per call, never from a global config value",
+}
 # Layer kinds that mix tokens without softmax attention (hybrid models): the Gaudi attention leaves them alone.
 NON_ATTENTION_LAYERS = {"linear_attention", "mamba", "conv", "recurrent", "hybrid", "mlp", "moe", "attention_free"}
 
@@ -91,7 +117,7 @@ class FamilyReport:
         """The table's "fused path" column: what runs in the fused kernel, and what takes the default path."""
         if not self.qualifies:
             return f"no: {self.reason}"
-        if "soft-capped logits" in self.variants:
+        if SOFTCAP in self.variants:
             return "default path for soft-capped layers (no fused kernel applies tanh to the scores); others fused"
         return "every attention call"
 
@@ -151,7 +177,7 @@ def _judge(model_type: str, stock: type) -> FamilyReport:
         model_type,
         stock.__name__,
         True,
-        variants=_variants(model_type, attention),
+        variants=_variants(stock, attention),
         mask_free=_mask_free(stock, edges, attention),
         attention_classes=names,
     )
@@ -174,7 +200,7 @@ def _multimodal_reason(model_type: str, stock: type) -> str:
 
 
 def _is_encoder_decoder(model_type: str) -> bool:
-    return bool(getattr(_default_config(model_type), "is_encoder_decoder", False))
+    return bool(getattr(_default_config(CONFIG_MAPPING[model_type]), "is_encoder_decoder", False))
 
 
 def _module_graph(stock: type, depth: int = 6) -> dict[type, list[tuple[str, type]]]:
@@ -199,7 +225,7 @@ def _module_graph(stock: type, depth: int = 6) -> dict[type, list[tuple[str, typ
 
 
 def _no_attention_reason(model_type: str) -> str:
-    config = _default_config(model_type)
+    config = _default_config(CONFIG_MAPPING[model_type])
     text_type = getattr(getattr(config, "text_config", None), "model_type", None)
     if text_type:
         return f"its language model is built from the model type {text_type!r} at run time: use that model type"
@@ -253,37 +279,39 @@ def _keyword_path_reason(stock: type, edges: dict[type, list[tuple[str, type]]],
     return ""
 
 
-def _variants(model_type: str, attention: set[type]) -> tuple[str, ...]:
+def _variants(stock: type, attention: set[type]) -> tuple[str, ...]:
     keywords = set()
     for cls in attention:
         for call in interface_calls(cls):
             keywords |= call.keywords
-    config = _default_config(model_type)
+    config = _default_config(stock.config_class)  # the causal LM's own config: a text config for `llama4`
     variants = []
     if keywords & {"s_aux", "sinks"}:
-        variants.append("attention sinks")
+        variants.append(SINKS)
     if any("v_head_dim" in init_names(cls) for cls in attention):
-        variants.append("latent attention (value head size differs from the query's)")
+        variants.append(LATENT)
     if "indices" in keywords:
-        variants.append("sparse attention (the keys an indexer selects)")
+        variants.append(SELECTED_KEYS)
     if "position_bias" in keywords:
-        variants.append("additive position bias")
+        variants.append(POSITION_BIAS)
     if "softcap" in keywords:
-        variants.append("soft-capped logits")
+        variants.append(SOFTCAP)
     layer_kinds = _layer_kinds(config)
     if "chunked_attention" in layer_kinds or getattr(config, "attention_chunk_size", None):
-        variants.append("chunked local attention")
-    if "sliding_window" in keywords or "sliding_attention" in layer_kinds:
-        variants.append("sliding window")
+        variants.append(CHUNKED)
+    if "sliding_attention" in layer_kinds and layer_kinds & {"full_attention", "chunked_attention"}:
+        variants.append(ALTERNATING)
+    elif "sliding_window" in keywords or "sliding_attention" in layer_kinds:
+        variants.append(WINDOW)
     if layer_kinds & NON_ATTENTION_LAYERS:
-        variants.append("hybrid (attention beside linear-attention or state-space layers)")
+        variants.append(HYBRID)
     if _is_heterogeneous(config):
-        variants.append("per-layer head counts and sizes")
-    return tuple(variants)
+        variants.append(PER_LAYER)
+    return tuple(variants) or (PLAIN,)
 
 
 @functools.cache
-def _default_config(model_type: str) -> object:
+def _default_config(config_class: type) -> object:
     """The family's config with its defaults, or None where they do not make one; built without its log lines (a
     default that names a token outside its own vocabulary, say), which say nothing about the user's model."""
     logger = logging.getLogger("transformers")
@@ -292,7 +320,7 @@ def _default_config(model_type: str) -> object:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            return CONFIG_MAPPING[model_type]()
+            return config_class()
     except Exception:
         return None
     finally:
@@ -354,6 +382,7 @@ def qualifying_model_types() -> tuple[str, ...]:
 
 __all__ = [
     "HONOURED_ARGUMENTS",
+    "FUSED_PATHS",
     "FamilyReport",
     "causal_lm_model_types",
     "family_report",
