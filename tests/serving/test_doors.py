@@ -57,6 +57,8 @@ def test_without_the_key_every_route_but_health_is_a_401(keyed, headers):
 def test_with_the_key_the_server_answers(keyed):
     status, answer, _ = keyed.post(CHAT, HELLO, headers=BEARER)
     assert status == 200 and answer["usage"]["completion_tokens"] == 2
+    for scheme in ("bearer", "BEARER"):  # HTTP's schemes are case-insensitive
+        assert keyed.post(CHAT, HELLO, headers={"Authorization": f"{scheme} {KEY}"})[0] == 200
     assert get(keyed, "/openapi.json", BEARER)[0] == 200
     client = openai.OpenAI(base_url=f"{keyed.base_url}/v1", api_key=KEY, max_retries=0, timeout=TIMEOUT_S)
     assert [model.id for model in client.models.list().data] == [keyed.model_id]

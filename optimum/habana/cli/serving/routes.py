@@ -64,6 +64,8 @@ ERRORS = {
         401: "no API key, or another one (with --api-key)",
         404: "another model than the served one",
         409: "a request id already in flight",
+        413: "a body larger than the server takes (--max-body-bytes)",
+        415: "a body sent as another content type than JSON",
         422: "a body that is not a JSON object of the endpoint's fields",
         503: "the server is shutting down, or its continuous-batching worker died",
     }.items()
