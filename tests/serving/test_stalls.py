@@ -43,11 +43,12 @@ def server(request, servers):
 def send_raw(
     server: RunningServer, body: bytes, declared: int | None = None, chunked: bool = False
 ) -> tuple[int, str]:
-    """The status and body of a POST of `body` to the chat endpoint, sent as a client that does not wait for an
-    answer sends it: with `declared` as its Content-Length (only the headers are sent when it is larger), or chunked
-    until the server answers."""
+    """The status and body of a POST of `body` to the chat endpoint, sent raw: its headers with `Expect:
+    100-continue` (as curl sends a large body) and `declared` as its length, its body once the server asks for it;
+    or chunked, all of it (the server drops what passes its limit)."""
     with socket.create_connection(("127.0.0.1", server.port), timeout=TIMEOUT_S) as connection:
         head = f"POST {CHAT} HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nConnection: close\r\n"
+        answer = b""
         try:
             if chunked:
                 connection.sendall(f"{head}Transfer-Encoding: chunked\r\n\r\n".encode())
@@ -56,12 +57,14 @@ def send_raw(
                     connection.sendall(f"{len(part):x}\r\n".encode() + part + b"\r\n")
                 connection.sendall(b"0\r\n\r\n")
             else:
-                connection.sendall(f"{head}Content-Length: {declared or len(body)}\r\n\r\n".encode())
-                if declared is None:
+                length = declared or len(body)
+                connection.sendall(f"{head}Content-Length: {length}\r\nExpect: 100-continue\r\n\r\n".encode())
+                answer = connection.recv(1 << 16)
+                if answer.startswith(b"HTTP/1.1 100") and declared is None:
+                    answer = answer.partition(b"\r\n\r\n")[2]
                     connection.sendall(body)
         except OSError:  # the server answered and closed: what it read is all it reads
             pass
-        answer = b""
         while chunk := connection.recv(1 << 16):
             answer += chunk
     head, _, text = answer.decode().partition("\r\n\r\n")

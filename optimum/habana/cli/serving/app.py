@@ -19,6 +19,7 @@
 import asyncio
 import hmac
 import logging
+import time
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -177,8 +178,9 @@ def too_large_answer(limit: int) -> JSONResponse:
 
 
 class BodyLimit:
-    """ASGI middleware: a body above `limit` bytes is a 413, by its declared length before a byte is read, else
-    as soon as what arrived passes the limit (the rest is never read: uvicorn closes the connection)."""
+    """ASGI middleware: a body above `limit` bytes is a 413, by its declared length before a byte is read (a client
+    that sends `Expect: 100-continue` sends none), else once what arrived passes the limit (the rest dropped as it
+    comes, `discard_the_rest`)."""
 
     def __init__(self, app: Callable, limit: int) -> None:
         self.app, self.limit = app, limit
@@ -211,7 +213,24 @@ class BodyLimit:
             await self.app(scope, bounded, sending)
         except BodyTooLarge:
             if not started:
+                await discard_the_rest(receive)
                 await too_large_answer(self.limit)(scope, receive, send)
+
+
+LINGER_S = 2  # how long the rest of a refused body is read and dropped
+
+
+async def discard_the_rest(receive: Callable) -> None:
+    """Read and drop what a client still sends of a refused body, for `LINGER_S` at most (as nginx's lingering
+    close): a socket closed with unread data is reset, and the client would never read its 413."""
+    deadline = time.monotonic() + LINGER_S
+    while (left := deadline - time.monotonic()) > 0:
+        try:
+            message = await asyncio.wait_for(receive(), left)
+        except asyncio.TimeoutError:
+            return
+        if message["type"] != "http.request" or not message.get("more_body"):
+            return
 
 
 class RequestWatch:
