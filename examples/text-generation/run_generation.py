@@ -29,7 +29,7 @@ from optimum.habana.cli.generation.arguments import (
     resolve_execution,
     usage_error,
 )
-from optimum.habana.cli.generation.capture import capture, describe_compilation
+from optimum.habana.cli.generation.capture import capture, compile_backend, describe_compilation, is_captured
 from optimum.habana.cli.generation.continuous_batching import tokenize_requests
 from optimum.habana.cli.generation.explain import explain
 from optimum.habana.cli.generation.generation_config import KVCacheSupply, build_generation_config, kv_cache_layout
@@ -117,7 +117,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(multi_process.format_run(run), flush=True)
     if workload.max_input_tokens > 0 and max(prompt_lengths) > workload.max_input_tokens:
         print(f"Note: prompts longer than {workload.max_input_tokens} tokens keep their last tokens.", file=sys.stderr)
-    if (execution.torch_compile or execution.use_hpu_graphs) and execution.warmup == 0:
+    if is_captured(execution, device) and execution.warmup == 0:
         print("Note: with --warmup 0 the compilation is part of the first measured run.", file=sys.stderr)
     model = capture(model, execution, device)
     if execution.sdp_on_bf16:
@@ -160,10 +160,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     memory = memory_stats(device)
     model_size = model_size_bytes(model)
     if execution.torch_compile:
-        print(describe_compilation(compilation.report), file=sys.stderr, flush=True)
+        backend = compile_backend(execution, device)
+        print(describe_compilation(compilation.report, backend, workload.num_beams), file=sys.stderr, flush=True)
 
     outputs = decode_new_tokens(tokenizer, result.output, input_length)
-    compiled = execution.torch_compile or execution.use_hpu_graphs
+    # Graphs compiled (torch.compile's count), or HPU graphs recorded on Gaudi: only then did the warm-up compile.
+    compiled = compilation.report.graphs > 0 if execution.torch_compile else is_captured(execution, device)
     stats = {
         **summarize_runs(result.runs, workload.batch_size),
         "input_tokens": input_length,
