@@ -28,6 +28,7 @@ import json
 import math
 import os
 import random
+import resource
 import signal
 import socket
 import subprocess
@@ -90,6 +91,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--health-limit", type=float, default=1, help="seconds /health may take (default 1)")
     parser.add_argument("--seed", type=int, default=0, help="the mix's random seed")
     parser.add_argument("--output", type=Path, help="write the report as JSON there (its folder must exist)")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing --output and its server log")
     args = parser.parse_args(argv)
     for name in ("clients", "duration", "max_tokens", "request_timeout", "drain_limit", "health_limit"):
         value = getattr(args, name)
@@ -101,7 +103,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--output {args.output}: the folder {args.output.parent} does not exist; create it first")
     if args.output is not None and args.output.is_dir():
         parser.error(f"--output {args.output} is a folder: give the path of the JSON file to write")
+    if args.output is not None and args.output.exists() and not args.overwrite:
+        parser.error(f"--output {args.output} exists: add --overwrite to replace it, or give another path")
+    files = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    if files != resource.RLIM_INFINITY and args.clients + FILES_BESIDES_CLIENTS > files:
+        parser.error(
+            f"--clients {args.clients} needs as many connections, and this process may open {files} files "
+            f"(ulimit -n): take at most {files - FILES_BESIDES_CLIENTS} clients, or raise the limit"
+        )
     return args
+
+
+FILES_BESIDES_CLIENTS = 64  # the health probe, hostile connections, the server's pipes and log, Python's own
 
 
 def free_port() -> int:
@@ -119,11 +132,12 @@ def start_server(args: argparse.Namespace, port: int, log: Path) -> subprocess.P
     return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=log.open("w"), env=env)
 
 
-async def wait_healthy(session: aiohttp.ClientSession, base: str, server: subprocess.Popen) -> None:
+async def wait_healthy(session: aiohttp.ClientSession, base: str, server: subprocess.Popen, log: Path) -> None:
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:
         if server.poll() is not None:
-            raise RuntimeError(f"the server exited with {server.returncode} before it served")
+            said = (log.read_text(errors="replace").strip().splitlines() or ["(nothing)"])[-1]
+            raise RuntimeError(f"the server exited with {server.returncode} before it served; its last line: {said}")
         try:
             async with session.get(f"{base}/health") as response:
                 if response.status == 200:
@@ -280,7 +294,7 @@ async def run(args: argparse.Namespace) -> dict:
     connector = aiohttp.TCPConnector(limit=args.clients + 8)
     try:
         async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
-            await wait_healthy(session, base, server)
+            await wait_healthy(session, base, server, log)
             rng = random.Random(args.seed)
             for index in range(args.warmup):
                 await one_request(session, base, ("chat", "stream", "completion", "response")[index % 4], args, rng)
@@ -340,6 +354,8 @@ def failures(report: dict, args: argparse.Namespace) -> list[str]:
         for name in ("server_errors", "hung", "client_errors", "good_incomplete", "bad_not_4xx", "hostile_not_4xx")
         if report[name]
     ]
+    if not any(count for kind, count in report["kinds"].items() if kind not in ("bad", "hostile")):
+        failed.append("no good request was sent: a run that tests nothing does not pass")
     if report["health_max_latency_s"] > args.health_limit:
         failed.append(f"/health slower than {args.health_limit} s")
     if report["rss_growth"] > 0.10:

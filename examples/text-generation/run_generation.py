@@ -21,6 +21,7 @@ import torch
 
 from optimum.habana.cli.adapters import apply_peft_adapter, check_adapter_folder
 from optimum.habana.cli.common import exit_on_interrupt_or_oom, prepare_output_dir
+from optimum.habana.cli.compile_backend import compile_failure
 from optimum.habana.cli.generation import continuous_batching, multi_process
 from optimum.habana.cli.generation.arguments import (
     build_parser,
@@ -141,26 +142,34 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{workload.max_new_tokens} new tokens. Lower --batch_size, --max_input_tokens or --max_new_tokens, or add "
         "--use_flash_attention (O(N) attention memory). No results were written."
     )
-    with (
-        exit_on_interrupt_or_oom(
-            parser.prog, on_interrupt=lambda: "no results were written.", on_out_of_memory=lambda error: out_of_memory
-        ),
-        CompileCounter() as compilation,
-    ):
-        result = benchmark(
-            model,
-            inputs,
-            generation_config,
-            device=device,
-            seed=workload.seed,
-            warmup=execution.warmup,
-            n_iterations=execution.n_iterations,
-            cache_supply=cache_supply,
+    backend = compile_backend(execution, device) if execution.torch_compile else None
+    try:
+        with (
+            exit_on_interrupt_or_oom(
+                parser.prog,
+                on_interrupt=lambda: "no results were written.",
+                on_out_of_memory=lambda error: out_of_memory,
+            ),
+            CompileCounter() as compilation,
+        ):
+            result = benchmark(
+                model,
+                inputs,
+                generation_config,
+                device=device,
+                seed=workload.seed,
+                warmup=execution.warmup,
+                n_iterations=execution.n_iterations,
+                cache_supply=cache_supply,
+            )
+    except torch._dynamo.exc.BackendCompilerFailed as error:  # a backend that compiled the check's function only
+        usage_error(
+            parser,
+            f"torch.compile ({backend}) failed on the model: {compile_failure(error)}. No results were written.",
         )
     memory = memory_stats(device)
     model_size = model_size_bytes(model)
     if execution.torch_compile:
-        backend = compile_backend(execution, device)
         print(describe_compilation(compilation.report, backend, workload.num_beams), file=sys.stderr, flush=True)
 
     outputs = decode_new_tokens(tokenizer, result.output, input_length)

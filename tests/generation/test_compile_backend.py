@@ -56,3 +56,26 @@ def test_torchs_own_backends_are_not_tried_and_a_broken_one_is_named():
     assert backend_problem("inductor") is None and backend_problem("eager") is None
     assert backend_problem("aot_eager_default_partitioner") is None  # tried: it compiles
     assert backend_problem("dynamo_minifier_backend").startswith("TypeError: ")
+
+
+def test_a_backend_that_fails_on_the_model_is_one_line(tiny_checkpoint, tmp_path, capsys):
+    """It compiles the check's function of one tensor, then fails on the model: one line, nothing written."""
+    import torch
+
+    def small_graphs_only(graph, example_inputs):
+        if len(graph.graph.nodes) > 8:
+            raise NotImplementedError("this backend takes graphs of 8 nodes at most")
+        return graph.forward
+
+    torch._dynamo.register_backend(small_graphs_only, name="small_graphs_only")
+    script = load_script(SCRIPTS["run_generation.py"])
+    argv = ["--model_name_or_path", str(tiny_checkpoint), "--max_new_tokens", "2", "--warmup", "0"]
+    argv += ["--torch_compile", "--torch_compile_backend", "small_graphs_only", "--output_dir", str(tmp_path / "out")]
+    with pytest.raises(SystemExit) as exit_info:
+        script.main(argv)
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "run_generation.py: error: torch.compile (small_graphs_only) failed on the model: NotImplementedError: this "
+        "backend takes graphs of 8 nodes at most. No results were written."
+    )
+    assert not (tmp_path / "out" / "results.json").exists()

@@ -355,3 +355,5 @@ def test_a_misspelled_flag_is_named_with_the_flag_it_resembles(model_folder):
         model.generate(ids, max_new_tokens=1, use_flash_attentoin=True)
     with pytest.raises(TypeError, match="did you mean `attn_softmax_bf16`"):
         model(ids, attn_softmax_fp16=True)
+    with pytest.raises(TypeError, match=re.escape("`use_flash_attention` is not an argument of from_pretrained()")):
+        GaudiLlamaForCausalLM.from_pretrained(model_folder, use_flash_attention=True)  # "unexpected keyword" before

@@ -41,10 +41,20 @@ def get(server: RunningServer, path: str, headers: dict | None = None) -> tuple[
         return error.code, error.read()
 
 
-@pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}])
-def test_without_the_key_every_route_but_health_is_a_401(keyed, headers):
+@pytest.mark.parametrize(
+    "headers, words",
+    [
+        ({}, "No API key was given"),
+        ({"Authorization": "Bearer wrong"}, "The API key given is not this server's"),
+        ({"Authorization": KEY}, "does not start with the Bearer scheme"),
+        ({"Authorization": f"Basic {KEY}"}, "does not start with the Bearer scheme"),
+        ({"Authorization": "Bearer"}, "No API key was given after Bearer"),
+    ],
+)
+def test_without_the_key_every_route_but_health_is_a_401(keyed, headers, words):
     status, answer, response_headers = keyed.post(CHAT, HELLO, headers=headers)
     assert status == 401 and answer["error"]["code"] == "invalid_api_key", answer
+    assert words in answer["error"]["message"]
     assert answer["error"]["type"] == "invalid_request_error" and "Authorization: Bearer" in answer["error"]["message"]
     assert response_headers["WWW-Authenticate"] == "Bearer"
     for path in ("/v1/models", "/openapi.json", "/docs"):

@@ -121,6 +121,15 @@ HOSTILE = {
         chat(temperature=0.7, generation_config={"do_sample": False}),
         "generation_config.do_sample",
     ),
+    # the fresh round's (issue 36): two fields set the same setting differently
+    "max-tokens-and-max-completion-tokens": (CHAT, chat(max_tokens=2, max_completion_tokens=3), "max_completion_tokens"),
+    "max-output-tokens-and-max-new-tokens": (
+        RESPONSES,
+        {"input": "Hello", "max_output_tokens": 2, "generation_config": {"max_new_tokens": 3}},
+        "generation_config.max_new_tokens",
+    ),
+    "two-temperatures": (CHAT, chat(temperature=0.5, generation_config={"temperature": 0.7}), "generation_config.temperature"),
+    "two-top-p": (CHAT, chat(top_p=0.5, generation_config={"top_p": 0.7}), "generation_config.top_p"),
 }  # fmt: skip
 
 

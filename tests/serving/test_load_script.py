@@ -45,6 +45,8 @@ def load_test():
         (["--duration", "0"], "--duration must be a positive number, got 0.0"),
         (["--request-timeout", "inf"], "--request-timeout must be a positive number, got inf"),
         (["--output", "/no/such/folder/load.json"], "the folder /no/such/folder does not exist"),
+        (["--output", __file__], "exists: add --overwrite to replace it"),
+        (["--clients", str(10**7)], "needs as many connections, and this process may open"),
     ],
 )
 def test_values_that_cannot_make_a_test_are_refused(load_test, argv, words, capsys):
@@ -69,3 +71,6 @@ def test_it_says_when_every_good_request_was_refused_and_why(load_test, monkeypa
     monkeypatch.setattr(load_test, "run", run)
     assert load_test.main(["--max-tokens", "1000"]) == 1
     assert f"load_test.py: every good request was refused: 5 x {why}" in capsys.readouterr().err
+    report["kinds"] = {"bad": 1}  # nothing good was sent: a run that tests nothing fails
+    assert load_test.main([]) == 1
+    assert "no good request was sent" in capsys.readouterr().out

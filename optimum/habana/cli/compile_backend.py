@@ -19,7 +19,10 @@ BUILT_IN = ("inductor", "eager", "aot_eager")
 
 
 def known_backends() -> set[str]:
-    return {*torch._dynamo.list_backends(exclude_tags=()), hpu.COMPILE_BACKEND}
+    """torch.compile's backends (but its own test doubles, made to fail: `relu_compile_error_TESTING_ONLY`), and
+    Gaudi's."""
+    listed = torch._dynamo.list_backends(exclude_tags=())
+    return {name for name in listed if not name.endswith("_TESTING_ONLY")} | {hpu.COMPILE_BACKEND}
 
 
 def check_compile_backend(backend: str | None, torch_compile: bool, allowed: set[str] | None = None) -> None:
@@ -56,11 +59,16 @@ def backend_problem(backend: str) -> str | None:
         with warnings.catch_warnings():  # the backend's own (TorchScript's deprecation...): the line below says it
             warnings.simplefilter("ignore")
             torch.compile(lambda tensor: tensor * 2 + 1, backend=backend, fullgraph=True)(torch.ones(2))
-    except Exception as error:  # BackendCompilerFailed: the backend's own error is inside
-        cause = getattr(error, "inner_exception", None) or error.__cause__ or error
-        words = (str(cause).strip().splitlines() or [""])[0]
-        return f"{type(cause).__name__}: {words}" if words else type(cause).__name__
+    except Exception as error:
+        return compile_failure(error)
     return None
 
 
-__all__ = ["backend_problem", "check_compile_backend", "known_backends"]
+def compile_failure(error: Exception) -> str:
+    """A failed compilation in one line: the backend's own error, which BackendCompilerFailed wraps."""
+    cause = getattr(error, "inner_exception", None) or error.__cause__ or error
+    words = (str(cause).strip().splitlines() or [""])[0]
+    return f"{type(cause).__name__}: {words}" if words else type(cause).__name__
+
+
+__all__ = ["backend_problem", "check_compile_backend", "compile_failure", "known_backends"]

@@ -139,7 +139,14 @@ class ApiKey:
         if scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.expected):  # HTTP: any case
             await self.app(scope, receive, send)
             return
-        what = "No API key was given" if not given else "The API key given is not this server's"
+        if not given.strip():
+            what = "No API key was given"
+        elif scheme.lower() != b"bearer":
+            what = "The Authorization header does not start with the Bearer scheme"
+        elif not token.strip():
+            what = "No API key was given after Bearer"
+        else:
+            what = "The API key given is not this server's"
         message = f"{what}: send it as the header `Authorization: Bearer <key>` (the server's --api-key)."
         answer = JSONResponse(
             error_body(message, 401, None, "invalid_api_key"), 401, headers={"WWW-Authenticate": "Bearer"}

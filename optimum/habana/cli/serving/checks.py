@@ -193,11 +193,31 @@ def check_request(request: Any, served: ServedModel) -> TokenRequest:
     return request.token_request()
 
 
+# The fields that ask for the completion's length (`generation_config.max_new_tokens` besides).
+MAX_TOKEN_FIELDS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
+
+
 def check_contradictions(request: Any) -> None:
     """Fields that ask for two things at once, refused naming both, on both paths (transformers honoured one of them
-    without a word): more `min_new_tokens` than the completion may have, a `temperature` of 0 (greedy) with
-    `do_sample` true, or above 0 (sampling) with `do_sample` false."""
+    without a word): two lengths, temperatures or top_p that differ (a top-level field and its `generation_config`
+    twin), more `min_new_tokens` than the completion may have, a `temperature` of 0 (greedy) with `do_sample` true,
+    or above 0 (sampling) with `do_sample` false."""
     options = request.generation_config
+    lengths = {name: value for name in MAX_TOKEN_FIELDS if (value := getattr(request, name, None)) is not None}
+    if options is not None and options.max_new_tokens is not None:
+        lengths["generation_config.max_new_tokens"] = options.max_new_tokens
+    pairs = [list(lengths.items())]
+    for name in ("temperature", "top_p"):
+        given = getattr(request, name, None), getattr(options, name, None)
+        pairs.append([(name, given[0]), (f"generation_config.{name}", given[1])] if None not in given else [])
+    for fields in pairs:
+        if len({value for _, value in fields}) > 1:
+            (first, one), (second, other) = fields[:2]
+            raise RequestError(
+                f"`{first}` {one} and `{second}` {other} set the same thing to different values: give one of them.",
+                second,
+                "conflicting_values",
+            )
     if options is None:
         return
     asked = request.token_request()

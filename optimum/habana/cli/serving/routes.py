@@ -20,7 +20,7 @@ from openai.types.responses import Response
 from pydantic import BaseModel
 
 from .bodies import BODIES
-from .checks import RequestError
+from .checks import MAX_TOKEN_FIELDS, RequestError
 from .fields import NonEmpty, Strict
 
 
@@ -127,9 +127,6 @@ def declare_routes(app: FastAPI, handlers: dict[str, Any], model_manager: Any, a
         )
     app.openapi_schema = None  # built again from these routes
     app.openapi = served_schema(app.openapi, model_manager)
-
-
-MAX_TOKEN_FIELDS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
 
 
 def served_schema(build: Callable[[], dict], model_manager: Any) -> Callable[[], dict]:
