@@ -9,7 +9,8 @@ Here, after the body limit (`app.BodyLimit`) and the request model (`bodies`):
   it (a 400 `context_length_exceeded`; memory stays where it was);
 - `off_the_loop`: transformers' handler (templating, tokenizing, the generation settings, decoding the answer)
   runs in a worker thread, on an event loop of its own; its calls into the generation managers (`OnServerLoop`),
-  whose queues and callbacks belong to the server's event loop, are made on that loop.
+  whose queues and callbacks belong to the server's event loop, are made on that loop;
+- `give_back_freed_memory`: after a refused request, what it freed goes back to the system (`app.RequestWatch`).
 """
 
 import asyncio
@@ -18,6 +19,7 @@ import ctypes
 import functools
 import sys
 from collections.abc import Callable, Coroutine
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from .checks import RequestError, ServedModel
@@ -55,11 +57,24 @@ def check_prompt_length(request: Any, served: ServedModel) -> None:
         )
 
 
+# A request holds its thread until transformers' handler returns: a stream once it starts, a whole answer once it is
+# generated (the thread then waits, idle, with its event loop's 3 file descriptors). asyncio's default pool
+# (min(32, cores + 4) threads: 6 here) held a continuous-batching server to 6 whole answers at once; beyond these,
+# requests wait for a thread.
+REQUEST_THREADS = 128
+
+
+@functools.cache
+def request_threads() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max_workers=REQUEST_THREADS, thread_name_prefix="serve-request")
+
+
 async def off_the_loop(coroutine: Coroutine) -> Any:
     """The coroutine's result, run in a worker thread on an event loop of its own (in this context)."""
-    token = SERVER_LOOP.set(asyncio.get_running_loop())
+    loop = asyncio.get_running_loop()
+    token = SERVER_LOOP.set(loop)
     try:
-        return await asyncio.to_thread(asyncio.run, coroutine)
+        return await loop.run_in_executor(request_threads(), contextvars.copy_context().run, asyncio.run, coroutine)
     finally:
         SERVER_LOOP.reset(token)
 
