@@ -21,6 +21,7 @@ import torch
 
 from optimum.habana.cli.adapters import apply_peft_adapter, check_adapter_folder
 from optimum.habana.cli.common import exit_on_interrupt_or_oom, prepare_output_dir
+from optimum.habana.cli.compile_backend import compile_failure
 from optimum.habana.cli.generation import continuous_batching, multi_process
 from optimum.habana.cli.generation.arguments import (
     build_parser,
@@ -29,7 +30,7 @@ from optimum.habana.cli.generation.arguments import (
     resolve_execution,
     usage_error,
 )
-from optimum.habana.cli.generation.capture import capture, describe_compilation
+from optimum.habana.cli.generation.capture import capture, compile_backend, describe_compilation, is_captured
 from optimum.habana.cli.generation.continuous_batching import tokenize_requests
 from optimum.habana.cli.generation.explain import explain
 from optimum.habana.cli.generation.generation_config import KVCacheSupply, build_generation_config, kv_cache_layout
@@ -117,7 +118,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(multi_process.format_run(run), flush=True)
     if workload.max_input_tokens > 0 and max(prompt_lengths) > workload.max_input_tokens:
         print(f"Note: prompts longer than {workload.max_input_tokens} tokens keep their last tokens.", file=sys.stderr)
-    if (execution.torch_compile or execution.use_hpu_graphs) and execution.warmup == 0:
+    if is_captured(execution, device) and execution.warmup == 0:
         print("Note: with --warmup 0 the compilation is part of the first measured run.", file=sys.stderr)
     model = capture(model, execution, device)
     if execution.sdp_on_bf16:
@@ -141,29 +142,39 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{workload.max_new_tokens} new tokens. Lower --batch_size, --max_input_tokens or --max_new_tokens, or add "
         "--use_flash_attention (O(N) attention memory). No results were written."
     )
-    with (
-        exit_on_interrupt_or_oom(
-            parser.prog, on_interrupt=lambda: "no results were written.", on_out_of_memory=lambda error: out_of_memory
-        ),
-        CompileCounter() as compilation,
-    ):
-        result = benchmark(
-            model,
-            inputs,
-            generation_config,
-            device=device,
-            seed=workload.seed,
-            warmup=execution.warmup,
-            n_iterations=execution.n_iterations,
-            cache_supply=cache_supply,
+    backend = compile_backend(execution, device) if execution.torch_compile else None
+    try:
+        with (
+            exit_on_interrupt_or_oom(
+                parser.prog,
+                on_interrupt=lambda: "no results were written.",
+                on_out_of_memory=lambda error: out_of_memory,
+            ),
+            CompileCounter() as compilation,
+        ):
+            result = benchmark(
+                model,
+                inputs,
+                generation_config,
+                device=device,
+                seed=workload.seed,
+                warmup=execution.warmup,
+                n_iterations=execution.n_iterations,
+                cache_supply=cache_supply,
+            )
+    except torch._dynamo.exc.BackendCompilerFailed as error:  # a backend that compiled the check's function only
+        usage_error(
+            parser,
+            f"torch.compile ({backend}) failed on the model: {compile_failure(error)}. No results were written.",
         )
     memory = memory_stats(device)
     model_size = model_size_bytes(model)
     if execution.torch_compile:
-        print(describe_compilation(compilation.report), file=sys.stderr, flush=True)
+        print(describe_compilation(compilation.report, backend, workload.num_beams), file=sys.stderr, flush=True)
 
     outputs = decode_new_tokens(tokenizer, result.output, input_length)
-    compiled = execution.torch_compile or execution.use_hpu_graphs
+    # Graphs compiled (torch.compile's count), or HPU graphs recorded on Gaudi: only then did the warm-up compile.
+    compiled = compilation.report.graphs > 0 if execution.torch_compile else is_captured(execution, device)
     stats = {
         **summarize_runs(result.runs, workload.batch_size),
         "input_tokens": input_length,

@@ -63,26 +63,18 @@ def run(script, argv: list[str], capsys) -> tuple[str, dict]:
 
 
 def test_table_json_ratios_and_oom(script, checkpoint, tmp_path, capsys):
-    """A short prompt runs everywhere; at 4096 tokens the default path's score matrix exceeds the memory cap."""
+    """A short prompt runs everywhere, with the floor; at 2048 tokens (a run of its own, without the floor: one process
+    fewer) the default path's score matrix exceeds the memory cap."""
     output_dir = tmp_path / "results"
-    argv = [
-        "--model_name_or_path", str(checkpoint),
-        "--batch_sizes", "2",
-        "--max_input_tokens", "16", "4096",
-        "--max_new_tokens", "2",
-        "--ragged",
-        "--warmup", "0",
-        "--n_iterations", "2",
-        "--memory_limit_gb", "0.15",
-        "--output_dir", str(output_dir),
-        "--plot",
-    ]  # fmt: skip
+    common = ["--model_name_or_path", str(checkpoint), "--batch_sizes", "2", "--max_new_tokens", "2", "--ragged"]
+    common += ["--warmup", "0", "--n_iterations", "2"]
+    argv = [*common, "--max_input_tokens", "16", "--output_dir", str(output_dir), "--plot"]
     output, results = run(script, argv, capsys)
 
     header = next(line for line in output.splitlines() if line.startswith("| Model"))
     assert [name.strip() for name in header.strip("|").split("|")] == COLUMNS
-    short, long = results["rows"]
-    assert (short["max_input_tokens"], long["max_input_tokens"]) == (16, 4096)
+    (short,) = results["rows"]
+    assert short["max_input_tokens"] == 16
     assert set(short["paths"]) == {"default", "flash", "floor"}
     for path in ("default", "flash"):
         measured = short["paths"][path]
@@ -94,21 +86,23 @@ def test_table_json_ratios_and_oom(script, checkpoint, tmp_path, capsys):
     )
     assert short["memory_reduction_bytes"] == default["peak_memory_bytes"] - flash["peak_memory_bytes"]
     assert short["flash_extra_vs_floor"] == pytest.approx(flash["extra_memory_bytes"] / floor["extra_memory_bytes"])
-
-    # The default path cannot hold 2 x 4 heads x 4096² fp32 scores under a 0.15 GB cap; the flash path can.
-    assert long["paths"]["default"]["status"] == "oom"
-    assert long["paths"]["flash"]["status"] == "ok"
-    assert long["throughput_improvement"] is None and long["memory_reduction_bytes"] is None
-    long_row = results["table"][1]
-    assert long_row["Default throughput [tokens/s]"] == long_row["Default memory [GiB]"] == "OOM"
-    assert long_row["Throughput improvement"] == "-"
-    assert f"| {long_row['Flash throughput [tokens/s]']}" in output
-
     csv_header = (output_dir / "results.csv").read_text().splitlines()[0]
     assert csv_header.split(",") == [*COLUMNS, "complete"]
     assert {line.rsplit(",", 1)[1] for line in (output_dir / "results.csv").read_text().splitlines()[1:]} == {"yes"}
     assert (output_dir / "flash_attention.png").read_bytes().startswith(b"\x89PNG")
     assert results["memory_column"] == "process peak resident memory"
+
+    # The default path cannot hold 2 x 4 heads x 2048² fp32 scores (134 MB) under a 0.1 GB cap; the flash path can.
+    argv = [*common, "--max_input_tokens", "2048", "--no_floor", "--memory_limit_gb", "0.1"]
+    output, results = run(script, [*argv, "--output_dir", str(tmp_path / "long")], capsys)
+    (long,) = results["rows"]
+    assert long["paths"]["default"]["status"] == "oom"
+    assert long["paths"]["flash"]["status"] == "ok"
+    assert long["throughput_improvement"] is None and long["memory_reduction_bytes"] is None
+    (long_row,) = results["table"]
+    assert long_row["Default throughput [tokens/s]"] == long_row["Default memory [GiB]"] == "OOM"
+    assert long_row["Throughput improvement"] == "-"
+    assert f"| {long_row['Flash throughput [tokens/s]']}" in output
 
 
 def test_timeout_is_reported_and_the_grid_goes_on(script, checkpoint, tmp_path, capsys):

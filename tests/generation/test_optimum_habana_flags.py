@@ -343,6 +343,7 @@ def test_optimum_habana_readme_commands_run(script, tiny_checkpoint, tmp_path, c
     finally:
         torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(False)
     assert results["throughput"] > 0 and all(row[0] for row in results["output"])
+    assert results["stats"]["compile_seconds"] is None  # HPU graphs off Gaudi: nothing was compiled
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -474,4 +475,16 @@ def test_explain_says_whether_each_phase_runs_as_one_graph(tiny_checkpoint):
     eager = explain_text(tiny_checkpoint, "--use_flash_attention")
     assert "eager: nothing is captured" in eager
     compiled = explain_text(tiny_checkpoint, "--use_flash_attention", "--torch_compile")
-    assert "prompt: one graph (torch.compile)" in compiled and "decode step: one graph (torch.compile)" in compiled
+    assert "prompt: one graph (torch.compile, inductor)" in compiled
+    assert "decode step: one graph (torch.compile, inductor)" in compiled
+
+
+def test_explain_says_what_really_runs_here(tiny_checkpoint):
+    """No HPU graph off Gaudi (with --limit_hpu_graphs too), no compiled decode step under beam search."""
+    for extra in ([], ["--limit_hpu_graphs"]):
+        text = explain_text(tiny_checkpoint, "--use_hpu_graphs", *extra)
+        assert "eager: nothing is captured (--use_hpu_graphs: HPU graphs exist on Gaudi only, not on cpu" in text
+        assert "an HPU graph" not in text
+    beams = explain_text(tiny_checkpoint, "--torch_compile", "--torch_compile_backend", "eager", "--num_beams", "2")
+    assert "prompt: one graph (torch.compile, eager)" in beams
+    assert "decode step: runs eagerly (--num_beams 2: generate() compiles the decode step of greedy search" in beams

@@ -235,7 +235,7 @@ def test_torch_compile_on_cpu_gives_the_same_texts(script, tiny_checkpoint, tmp_
     assert compiled["generation_config"]["cache_implementation"] == "static"
     assert compiled["stats"]["compile_seconds"] > 0
     assert (compiled["stats"]["compiled_graphs"], compiled["stats"]["graph_breaks"]) == (2, 0)
-    assert "torch.compile: 2 graph(s) compiled" in capsys.readouterr().err
+    assert "torch.compile (eager): 2 graph(s) compiled" in capsys.readouterr().err
 
 
 def test_beam_search_sampling_and_static_shapes_run(script, tiny_checkpoint, tmp_path):

@@ -7,6 +7,7 @@ value at fault and what is wrong with it, never an error from deep inside transf
 import argparse
 import json
 import os
+import re
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -334,3 +335,25 @@ def test_atomic_write_follows_the_umask(tmp_path):
         os.umask(previous)
     assert path.stat().st_mode & 0o777 == 0o600
     assert atomic_write_text(tmp_path / "b.json", "{}").stat().st_mode & 0o777 == 0o666 & ~previous
+
+
+def test_a_misspelled_flag_is_named_with_the_flag_it_resembles(model_folder):
+    """`use_flash_attentoin=True` reached the attention as an unknown argument ("this model family is not
+    supported"), or was refused by transformers without the flag it meant."""
+    from optimum.habana.transformers import GaudiLlamaForCausalLM
+
+    words = re.escape(
+        "`use_flash_attentoin` is not a keyword argument of optimum.habana's models: did you mean `use_flash_attention`?"
+    )
+    with pytest.raises(TypeError, match=words):
+        GaudiLlamaForCausalLM.from_pretrained(model_folder, use_flash_attentoin=True)
+    model = GaudiLlamaForCausalLM.from_pretrained(model_folder)
+    ids = torch.tensor([[1, 2, 3]])
+    with pytest.raises(TypeError, match=words):
+        model(ids, use_flash_attentoin=True)
+    with pytest.raises(TypeError, match=words):
+        model.generate(ids, max_new_tokens=1, use_flash_attentoin=True)
+    with pytest.raises(TypeError, match="did you mean `attn_softmax_bf16`"):
+        model(ids, attn_softmax_fp16=True)
+    with pytest.raises(TypeError, match=re.escape("`use_flash_attention` is not an argument of from_pretrained()")):
+        GaudiLlamaForCausalLM.from_pretrained(model_folder, use_flash_attention=True)  # "unexpected keyword" before

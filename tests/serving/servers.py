@@ -53,14 +53,19 @@ def wait_until_healthy(base_url: str, timeout_s: float = 120, process: subproces
     raise AssertionError(f"no healthy server at {base_url} after {timeout_s} s")
 
 
-def save_long_context_checkpoint(folder: Path) -> Path:
-    """A tiny Llama with 200k positions and no end-of-sequence token: its generations end when they are stopped."""
+def save_checkpoint(folder: Path, positions: int, **config) -> Path:
+    """A tiny Llama of `positions` positions with a chat tokenizer beside it."""
     tokenizer = train_tiny_tokenizer(chat_template=True)
     torch.manual_seed(0)
-    config = tiny_config("llama", vocab_size=len(tokenizer), max_position_embeddings=200_000, eos_token_id=None)
-    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    model_config = tiny_config("llama", vocab_size=len(tokenizer), max_position_embeddings=positions, **config)
+    AutoModelForCausalLM.from_config(model_config).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
+
+
+def save_long_context_checkpoint(folder: Path) -> Path:
+    """A tiny Llama with 200k positions and no end-of-sequence token: its generations end when they are stopped."""
+    return save_checkpoint(folder, 200_000, eos_token_id=None)
 
 
 class RunningServer:

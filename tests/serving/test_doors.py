@@ -41,10 +41,20 @@ def get(server: RunningServer, path: str, headers: dict | None = None) -> tuple[
         return error.code, error.read()
 
 
-@pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}])
-def test_without_the_key_every_route_but_health_is_a_401(keyed, headers):
+@pytest.mark.parametrize(
+    "headers, words",
+    [
+        ({}, "No API key was given"),
+        ({"Authorization": "Bearer wrong"}, "The API key given is not this server's"),
+        ({"Authorization": KEY}, "does not start with the Bearer scheme"),
+        ({"Authorization": f"Basic {KEY}"}, "does not start with the Bearer scheme"),
+        ({"Authorization": "Bearer"}, "No API key was given after Bearer"),
+    ],
+)
+def test_without_the_key_every_route_but_health_is_a_401(keyed, headers, words):
     status, answer, response_headers = keyed.post(CHAT, HELLO, headers=headers)
     assert status == 401 and answer["error"]["code"] == "invalid_api_key", answer
+    assert words in answer["error"]["message"]
     assert answer["error"]["type"] == "invalid_request_error" and "Authorization: Bearer" in answer["error"]["message"]
     assert response_headers["WWW-Authenticate"] == "Bearer"
     for path in ("/v1/models", "/openapi.json", "/docs"):
@@ -57,6 +67,8 @@ def test_without_the_key_every_route_but_health_is_a_401(keyed, headers):
 def test_with_the_key_the_server_answers(keyed):
     status, answer, _ = keyed.post(CHAT, HELLO, headers=BEARER)
     assert status == 200 and answer["usage"]["completion_tokens"] == 2
+    for scheme in ("bearer", "BEARER"):  # HTTP's schemes are case-insensitive
+        assert keyed.post(CHAT, HELLO, headers={"Authorization": f"{scheme} {KEY}"})[0] == 200
     assert get(keyed, "/openapi.json", BEARER)[0] == 200
     client = openai.OpenAI(base_url=f"{keyed.base_url}/v1", api_key=KEY, max_retries=0, timeout=TIMEOUT_S)
     assert [model.id for model in client.models.list().data] == [keyed.model_id]

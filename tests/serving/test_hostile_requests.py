@@ -101,12 +101,67 @@ HOSTILE = {
         chat(stream=True, generation_config={"num_beams": 2}),
         "generation_config.num_beams",
     ),
+    # issue 36
+    "five-stop-sequences": (CHAT, chat(stop=["a", "b", "c", "d", "e"]), "stop"),
+    "a-stop-sequence-of-65-characters": (CHAT, chat(stop=["s" * 65]), "stop[0]"),
+    "a-web-search-tool": (RESPONSES, {"input": "Hello", "tools": [{"type": "web_search"}]}, "tools[0].type"),
+    "a-chat-tool-of-another-type": (CHAT, chat(tools=[{"type": "custom", "custom": {"name": "f"}}]), "tools[0].type"),
+    "min-new-tokens-above-max-tokens": (
+        CHAT,
+        chat(max_tokens=3, generation_config={"min_new_tokens": 5}),
+        "generation_config.min_new_tokens",
+    ),
+    "temperature-0-with-sampling": (
+        CHAT,
+        chat(temperature=0, generation_config={"do_sample": True}),
+        "generation_config.do_sample",
+    ),
+    "a-sampling-temperature-without-sampling": (
+        CHAT,
+        chat(temperature=0.7, generation_config={"do_sample": False}),
+        "generation_config.do_sample",
+    ),
+    # the fresh round's (issue 36): two fields set the same setting differently
+    "max-tokens-and-max-completion-tokens": (CHAT, chat(max_tokens=2, max_completion_tokens=3), "max_completion_tokens"),
+    "max-output-tokens-and-max-new-tokens": (
+        RESPONSES,
+        {"input": "Hello", "max_output_tokens": 2, "generation_config": {"max_new_tokens": 3}},
+        "generation_config.max_new_tokens",
+    ),
+    "two-temperatures": (CHAT, chat(temperature=0.5, generation_config={"temperature": 0.7}), "generation_config.temperature"),
+    "two-top-p": (CHAT, chat(top_p=0.5, generation_config={"top_p": 0.7}), "generation_config.top_p"),
 }  # fmt: skip
 
 
 @pytest.mark.parametrize("path, body, param", HOSTILE.values(), ids=HOSTILE.keys())
 def test_a_hostile_request_is_a_400_naming_its_field(path, body, param, server):
     refused(server, path, body, param)
+
+
+def test_each_refusal_names_its_real_cause(server):
+    """Contradictions name both fields; a tool's type, a body's content type, its nesting and its numbers are named."""
+    error = refused(
+        server, CHAT, chat(max_tokens=3, generation_config={"min_new_tokens": 5}), "generation_config.min_new_tokens"
+    )
+    assert "`max_tokens` 3" in error["message"] and error["code"] == "conflicting_values"
+    error = refused(
+        server, CHAT, chat(temperature=0, generation_config={"do_sample": True}), "generation_config.do_sample"
+    )
+    assert "`temperature` 0" in error["message"] and "decodes greedily" in error["message"]
+    error = refused(server, RESPONSES, {"input": "Hello", "tools": [{"type": "web_search"}]}, "tools[0].type")
+    assert '"web_search" is not a tool type this server runs' in error["message"]
+    for content_type in ("text/plain", "application/x-www-form-urlencoded"):
+        code, answer, _ = server.post(CHAT, json.dumps(chat()).encode(), headers={"Content-Type": content_type})
+        assert code == 415 and f"Content-Type {content_type!r}" in answer["error"]["message"], answer
+    for body, words in (
+        (b"[" * 50_000 + b"]" * 50_000, "nest deeper than the parser allows"),
+        (b'{"messages": [], "max_tokens": ' + b"9" * 5000 + b"}", "an integer of more than 4300 digits"),
+        (b'{"messages": "caf\xe9"}', "not UTF-8 text"),
+    ):
+        code, answer, _ = server.post(CHAT, body)
+        assert code == 400 and words in answer["error"]["message"], answer
+    code, good, _ = post(server, CHAT, {"messages": HELLO, "max_tokens": 2})
+    assert code == 200
 
 
 def test_transcription_is_not_served(server):

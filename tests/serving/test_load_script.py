@@ -1,6 +1,6 @@
-"""examples/serving/load_test.py, shrunk to a few seconds: it starts the server, mixes good, streamed, abandoned
-and bad requests, measures, sends SIGTERM, and reports every criterion met (no timed assertion: the numbers are
-the script's output, documented in docs/serving.md)."""
+"""examples/serving/load_test.py, shrunk to a few seconds: it starts the server, mixes good, streamed, abandoned,
+bad and hostile requests, measures, sends SIGTERM, and reports every criterion met (no timed assertion: the numbers
+are the script's output, documented in docs/serving.md); and values that cannot make a test are refused."""
 
 import json
 import os
@@ -8,7 +8,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.helpers import save_tiny_checkpoint
+import pytest
+
+from tests.helpers import load_script, save_tiny_checkpoint
 
 
 SCRIPT = Path(__file__).parents[2] / "examples" / "serving" / "load_test.py"
@@ -17,12 +19,58 @@ SCRIPT = Path(__file__).parents[2] / "examples" / "serving" / "load_test.py"
 def test_the_load_test_runs_and_its_criteria_hold(tmp_path):
     checkpoint = save_tiny_checkpoint(tmp_path / "tiny")
     report_path = tmp_path / "load.json"
-    command = [sys.executable, str(SCRIPT), "--model", str(checkpoint), "--clients", "4", "--duration", "2"]
+    command = [sys.executable, str(SCRIPT), "--model", str(checkpoint), "--clients", "7", "--duration", "2"]
     command += ["--warmup", "2", "--continuous-batching", "--output", str(report_path)]
     environment = {**os.environ, "OMP_NUM_THREADS": "1"}
     finished = subprocess.run(command, capture_output=True, text=True, timeout=300, env=environment)
     assert finished.returncode == 0, finished.stdout + finished.stderr
     report = json.loads(report_path.read_text())
     assert report["failed"] == [] and report["server_errors"] == report["hung"] == report["good_incomplete"] == 0
-    assert report["kinds"].keys() >= {"chat", "stream", "bad"} and report["statuses"]["200"] > 0
+    assert report["kinds"].keys() == {"chat", "stream", "completion", "response", "abandon", "bad", "hostile"}
+    assert report["statuses"]["200"] > 0 and report["hostile_not_4xx"] == {} and report["good_refused"] == 0
+    assert report["health_max_latency_s"] < 1
     assert report["sigterm_streams_ended"] and (tmp_path / "load.server.log").exists()
+
+
+@pytest.fixture(scope="module")
+def load_test():
+    return load_script("examples/serving/load_test.py")
+
+
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["--warmup", "-1"], "--warmup must be 0 or more requests, got -1"),
+        (["--duration", "nan"], "--duration must be a positive number, got nan"),
+        (["--duration", "0"], "--duration must be a positive number, got 0.0"),
+        (["--request-timeout", "inf"], "--request-timeout must be a positive number, got inf"),
+        (["--output", "/no/such/folder/load.json"], "the folder /no/such/folder does not exist"),
+        (["--output", __file__], "exists: add --overwrite to replace it"),
+        (["--clients", str(10**7)], "needs as many connections, and this process may open"),
+    ],
+)
+def test_values_that_cannot_make_a_test_are_refused(load_test, argv, words, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        load_test.parse_args(argv)
+    assert exit_info.value.code == 2 and words in capsys.readouterr().err
+
+
+def test_it_says_when_every_good_request_was_refused_and_why(load_test, monkeypatch, capsys):
+    """As with --max-tokens beyond the model's context: each good request a 400 (the server's words are kept)."""
+    why = "400: This model's maximum context length is 128 tokens. However, you requested 1010 tokens"
+    report = {
+        "kinds": {"chat": 3, "stream": 2, "bad": 1}, "good_refused": 5, "good_refused_because": {why: 5},
+        "server_errors": 0, "hung": 0, "client_errors": 0, "good_incomplete": 5, "bad_not_4xx": 0,
+        "hostile_not_4xx": {}, "health_max_latency_s": 0.01, "rss_growth": 0.0, "sigterm_drain_s": 0.5,
+        "sigterm_streams_ended": True,
+    }  # fmt: skip
+
+    async def run(args):
+        return dict(report)
+
+    monkeypatch.setattr(load_test, "run", run)
+    assert load_test.main(["--max-tokens", "1000"]) == 1
+    assert f"load_test.py: every good request was refused: 5 x {why}" in capsys.readouterr().err
+    report["kinds"] = {"bad": 1}  # nothing good was sent: a run that tests nothing fails
+    assert load_test.main([]) == 1
+    assert "no good request was sent" in capsys.readouterr().out

@@ -60,6 +60,9 @@ CASES = {
     "dtype": (["--dtype", "float99"], ["--dtype 'float99'", "bfloat16"]),
     "quantization-method": (["--quantization", "gptq"], ["--quantization 'gptq'", "bnb-4bit"]),
     "attention": (["--attn-implementation", "flash_attention_2"], ["--attn-implementation 'flash_attention_2'"]),
+    "max-body-bytes": (["--max-body-bytes", "0"], ["--max-body-bytes 0", "positive number of bytes"]),
+    "compile-with-continuous-batching": (["--compile", "--continuous-batching"], ["--compile", "does not compile"]),
+    "compile-on-cpu": (["--compile", "--device", "cpu"], ["--compile: on cpu", "compiles nothing"]),
 }
 
 
@@ -111,6 +114,31 @@ def test_a_model_that_fails_to_load_is_one_line(tmp_path, capsys):
     lines = run([str(folder), "--port", str(free_port())], capsys)
     assert lines[-1].startswith(f"optimum.habana.serve: {folder} could not be loaded: RuntimeError: ")
     assert "Traceback" not in "\n".join(lines)
+
+
+def test_an_empty_api_key_variable_is_refused(monkeypatch, capsys, no_loading):
+    """click reads an empty variable as unset: the server would have started open without a word."""
+    monkeypatch.setenv("OPTIMUM_HABANA_API_KEY", "")
+    (line,) = run(["--port", str(free_port())], capsys)
+    assert line.startswith("optimum.habana.serve: OPTIMUM_HABANA_API_KEY is set but empty")
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return save_tiny_checkpoint(tmp_path_factory.mktemp("tiny_llama_options"))
+
+
+def test_a_cache_that_cannot_be_built_ends_start_up_in_one_line_before_the_port_opens(checkpoint, capsys):
+    port = free_port()
+    argv = [str(checkpoint), "--port", str(port), "--continuous-batching", "--cb-num-blocks", "100000000000"]
+    lines = run(argv, capsys)
+    assert lines[-1].startswith(
+        "optimum.habana.serve: The continuous-batching engine could not start: its paged KV cache could not be "
+        "built (MemoryError: "
+    )
+    assert "Lower --cb-num-blocks or --cb-block-size" in lines[-1] and "Traceback" not in "\n".join(lines)
+    with pytest.raises(ConnectionRefusedError), socket.create_connection(("127.0.0.1", port), timeout=5):
+        pass
 
 
 def test_ctrl_c_while_the_model_loads_is_one_line(monkeypatch, capsys):

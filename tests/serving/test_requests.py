@@ -192,11 +192,12 @@ def test_a_prompt_and_max_tokens_past_the_context_are_a_400_in_openai_words(serv
 
 
 def test_a_prompt_longer_than_the_context_is_a_400(server):
-    long = [{"role": "user", "content": "hello " * 300}]
+    """Tokenized (150 tokens, 900 characters: the tiny vocabulary's tokens have up to 10, so it might fit)."""
+    long = [{"role": "user", "content": "hello " * 150}]
     for path, body, prompt_word in (
         (CHAT, {"messages": long}, "messages"),
-        (COMPLETIONS, {"prompt": "hello " * 300, "max_tokens": 2}, "prompt"),
-        (RESPONSES, {"input": "hello " * 300}, "input"),
+        (COMPLETIONS, {"prompt": "hello " * 150, "max_tokens": 2}, "prompt"),
+        (RESPONSES, {"input": "hello " * 150}, "input"),
     ):
         status, answer, _ = server.post(path, body)
         assert_error(status, answer, 400, prompt_word, "context_length_exceeded", f"your {prompt_word} resulted in")

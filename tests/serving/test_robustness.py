@@ -107,15 +107,29 @@ def test_two_requests_in_flight_cannot_share_an_id(servers):
     assert status == 200 and headers["x-request-id"] == "one-id"
 
 
-def test_a_dead_continuous_batching_worker_is_replaced(servers):
+def health(server: RunningServer) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(f"{server.base_url}/health", timeout=TIMEOUT_S) as answer:
+            return answer.status, answer.read()
+    except urllib.error.HTTPError as error:
+        return error.code, error.read()
+
+
+def test_a_dead_continuous_batching_worker_is_replaced(servers, monkeypatch):
+    """The engine dies: /health says so; a replacement that cannot start is a 503 with the reason (a 500 before),
+    one that can serves again."""
     server = servers["cb"]
     assert server.post(CHAT, {"messages": HELLO, "max_tokens": 2})[0] == 200
     worker = server.serve._generation_state._cb_manager._cb
     worker.background_thread_status.fatal_error = RuntimeError("a crash of the worker")  # as its loop records one
-    with pytest.raises(urllib.error.HTTPError) as unhealthy:
-        urllib.request.urlopen(f"{server.base_url}/health", timeout=TIMEOUT_S)
-    assert unhealthy.value.code == 503
+    assert health(server)[0] == 503
+    monkeypatch.setattr(server.serve._generation_state._cb_config, "num_blocks", 10**11)  # no memory holds it
+    for _ in range(2):
+        status, answer, _ = server.post(CHAT, {"messages": HELLO, "max_tokens": 2})
+        assert status == 503 and answer["error"]["code"] == "worker_dead", answer
+        assert "could not start: its paged KV cache could not be built (MemoryError" in answer["error"]["message"]
+        assert health(server)[0] == 503
+    monkeypatch.undo()
     status, answer, _ = server.post(CHAT, {"messages": HELLO, "max_tokens": 2})
     assert status == 200 and answer["usage"]["completion_tokens"] == 2
-    with urllib.request.urlopen(f"{server.base_url}/health", timeout=TIMEOUT_S) as health:
-        assert health.status == 200
+    assert health(server)[0] == 200

@@ -12,8 +12,9 @@ model through `model.generation_config`. Each is resolved on its own: the first 
 unset means off.
 """
 
+import difflib
 import functools
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Literal, TypedDict
 
@@ -109,6 +110,19 @@ def attention_flags_of(config: Any) -> dict[str, bool | None]:
 def pop_attention_flags(kwargs: dict[str, Any]) -> dict[str, bool | None]:
     """Remove the flags from a call's keyword arguments and return those it sets."""
     return {name: kwargs.pop(name) for name in ATTENTION_FLAG_NAMES if name in kwargs}
+
+
+def check_flag_spelling(names: Iterable[str]) -> None:
+    """A keyword a few letters away from a flag (`use_flash_attentoin`) is a TypeError naming it and the flag: passed
+    on, it would reach the attention as an argument nothing reads (and the flag would be silently off)."""
+    for name in names:
+        if name not in ATTENTION_FLAG_NAMES and (flag := closest_flag(name)) is not None:
+            raise TypeError(f"`{name}` is not a keyword argument of optimum.habana's models: did you mean `{flag}`?")
+
+
+@functools.cache
+def closest_flag(name: str) -> str | None:
+    return next(iter(difflib.get_close_matches(name, ATTENTION_FLAG_NAMES, n=1, cutoff=0.8)), None)
 
 
 def call_attention_flags(kwargs: dict[str, Any], defaults: Mapping[str, bool | None] | None = None) -> AttentionFlags:

@@ -16,10 +16,11 @@ changes the call's own keyword arguments (nothing shared: a compiled graph or a 
 import inspect
 from typing import Any
 
+import torch
 from torch import nn
 
 from .attention import AttentionConfigView
-from .attention_flags import ATTENTION_FLAG_NAMES, attention_flags_of, resolve_attention_flags
+from .attention_flags import ATTENTION_FLAG_NAMES, attention_flags_of, check_flag_spelling, resolve_attention_flags
 from .batch_layout import plan_batch_layout
 
 
@@ -31,6 +32,8 @@ def prepare_decoder_call(
     if args:  # keyword arguments only from here on: the hook reads the inputs by name
         names = list(_forward_parameters(type(decoder)))[: len(args)]
         kwargs = {**dict(zip(names, args, strict=True)), **kwargs}
+    if not torch.compiler.is_compiling():  # once, eagerly: a misspelled flag is named, not carried to the layers
+        check_flag_spelling(kwargs)
     call_flags = {name: kwargs[name] for name in ATTENTION_FLAG_NAMES if name in kwargs}
     kwargs.update(resolve_attention_flags(call_flags, attention_flags_of(view.model_generation_config)).as_dict())
     config = decoder.config

@@ -33,6 +33,7 @@ from .attention_flags import (
     FLASH_ATTENTION_COMPANIONS,
     AttentionFlagKwargs,
     attention_flags_of,
+    check_flag_spelling,
     pop_attention_flags,
     resolve_attention_flags,
 )
@@ -170,6 +171,14 @@ class GaudiAttentionMixin(GaudiGenerationMixin):
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path: Any, *args: Any, **kwargs: Any) -> Any:
+        check_flag_spelling(kwargs)
+        flags = [name for name in ATTENTION_FLAG_NAMES if name in kwargs]
+        if flags:  # transformers would hand it to the model's __init__: "unexpected keyword argument"
+            raise TypeError(
+                f"`{flags[0]}` is not an argument of from_pretrained(): the flags are given per call (generate(), "
+                f"forward()) or as the model's default (`model.generation_config.{flags[0]} = ...`); "
+                "attn_implementation='gaudi_fused_sdpa' loads the model with the fused kernel on."
+            )
         loaded = super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
         model = loaded[0] if isinstance(loaded, tuple) else loaded  # (model, info) with output_loading_info=True
         if not isinstance(model.generation_config, GaudiGenerationConfig):
@@ -230,6 +239,7 @@ class GaudiAttentionMixin(GaudiGenerationMixin):
 
     def _validate_model_kwargs(self, model_kwargs: dict[str, Any]) -> None:
         # The flags are forward arguments through `**kwargs`, which transformers' check cannot see.
+        check_flag_spelling(model_kwargs)
         super()._validate_model_kwargs({k: v for k, v in model_kwargs.items() if k not in ATTENTION_FLAG_NAMES})
 
     def forward(

@@ -11,6 +11,7 @@ import torch
 from transformers import HfArgumentParser, TrainingArguments
 
 from optimum.habana.cli.common import AttentionArguments, check_finite_numbers, check_seed
+from optimum.habana.cli.compile_backend import check_compile_backend
 from optimum.habana.utils.distributed import launch_environment
 
 from .errors import FineTuningError
@@ -224,7 +225,7 @@ def parse_arguments(parser: HfArgumentParser, argv: list[str]) -> Arguments:
     TrainingArguments checks its values while it is built (bf16 on a machine without GPU, say), which would
     otherwise speak before the unknown arguments of a command line written for another tool.
     """
-    _, unknown = parser.parse_known_args(argv)
+    as_given, unknown = parser.parse_known_args(argv)
     problems = [f"unrecognized arguments: {' '.join(unknown)}"] if unknown else []
     notes: list[str] = []
     try:  # before TrainingArguments, which reads the DeepSpeed and FSDP files in its constructor
@@ -247,9 +248,22 @@ def parse_arguments(parser: HfArgumentParser, argv: list[str]) -> Arguments:
             )
         except ValueError as error:
             problems.append(str(error))
+        try:  # as given: TrainingArguments turns --torch_compile on by itself when a backend is named
+            check_compile_backend(
+                arguments.training.torch_compile_backend, bool(as_given.torch_compile), allowed=trainer_backends()
+            )
+        except ValueError as error:
+            problems.append(str(error))
     if problems:
         usage_error(parser, "; ".join(problems))
     return arguments
+
+
+def trainer_backends() -> set[str]:
+    """The backends the Trainer can hand accelerate (its DynamoBackend), by torch.compile's names."""
+    from accelerate.utils import DynamoBackend
+
+    return {backend.value.lower() for backend in DynamoBackend} - {"no"}
 
 
 def gaudi_options(args: Arguments) -> list[str]:

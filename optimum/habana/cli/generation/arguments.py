@@ -16,6 +16,7 @@ from transformers import (
 )
 
 from optimum.habana import hpu
+from optimum.habana.cli import compile_backend
 from optimum.habana.cli.common import AttentionArguments, check_finite_numbers, check_seed
 from optimum.habana.utils.devices import DEVICE_CHOICES, default_dtype, resolve_device, slow_bf16_note
 
@@ -376,18 +377,8 @@ def validate_arguments(arguments: ScriptArguments) -> None:
 
 
 def check_compile_backend(execution: ExecutionArguments) -> None:
-    """--torch_compile_backend names a backend torch.compile knows (or Gaudi's), and comes with --torch_compile."""
-    backend = execution.torch_compile_backend
-    if backend is None:
-        return
-    if not execution.torch_compile:
-        raise ValueError(f"--torch_compile_backend {backend} picks torch.compile's backend: add --torch_compile.")
-    known = {*torch._dynamo.list_backends(exclude_tags=()), hpu.COMPILE_BACKEND}
-    if backend not in known:
-        raise ValueError(
-            f"--torch_compile_backend {backend} is not a torch.compile backend; choose one of: "
-            f"{', '.join(sorted(known))}."
-        )
+    """--torch_compile_backend comes with --torch_compile and names a backend torch.compile can run here."""
+    compile_backend.check_compile_backend(execution.torch_compile_backend, execution.torch_compile)
 
 
 def check_continuous_batching(arguments: ScriptArguments) -> None:

@@ -17,13 +17,25 @@ from optimum.habana.utils.graph_capture import GraphReport
 from .arguments import ExecutionArguments
 
 
-def describe_compilation(report: GraphReport) -> str:
+def describe_compilation(report: GraphReport, backend: str, num_beams: int) -> str:
     """The line printed after the runs of --torch_compile."""
     breaks = "no graph break" if report.graph_breaks == 0 else f"{report.graph_breaks} graph break(s)"
-    return (
-        f"torch.compile: {report.graphs} graph(s) compiled (the prompt per input shape, the decode step per cache "
-        f"bucket), {breaks}"
-    )
+    reason = eager_decode_reason(num_beams)
+    decode = "the decode step per cache bucket" if reason is None else f"no decode step: {reason}"
+    return f"torch.compile ({backend}): {report.graphs} graph(s) compiled (the prompt per input shape, {decode}), {breaks}"
+
+
+def eager_decode_reason(num_beams: int) -> str | None:
+    """Why generate() runs the decode step eagerly under --torch_compile, or None where it compiles it: it compiles
+    it in greedy search and sampling only (transformers' `_sample`)."""
+    if num_beams > 1:
+        return f"--num_beams {num_beams}: generate() compiles the decode step of greedy search and sampling only"
+    return None
+
+
+def is_captured(execution: ExecutionArguments, device: torch.device) -> bool:
+    """Whether a run captures graphs on `device`: --torch_compile, or HPU graphs on Gaudi."""
+    return execution.torch_compile or (execution.use_hpu_graphs and device.type == "hpu")
 
 
 def capture(model: Any, execution: ExecutionArguments, device: torch.device) -> Any:
@@ -64,4 +76,11 @@ def compile_prompt(model: Any, backend: str) -> None:
     model.forward = forward
 
 
-__all__ = ["capture", "compile_backend", "compile_prompt", "describe_compilation"]
+__all__ = [
+    "capture",
+    "compile_backend",
+    "compile_prompt",
+    "describe_compilation",
+    "eager_decode_reason",
+    "is_captured",
+]

@@ -118,7 +118,7 @@ def explain(arguments: ScriptArguments) -> str:
             account = call_account(flags, group, phase, device, padding_mask_is_all_it_needs(config))
             lines.append(f"    layers {format_indices(group.indices)}: {account}")
     lines += ["", "Graphs:"]
-    lines += [f"  {line}" for line in graph_accounts(arguments, config, inputs)]
+    lines += [f"  {line}" for line in graph_accounts(arguments, config, inputs, device)]
     lines += ["", "Flags:"]
     lines += [f"  {line}" for line in flag_accounts(arguments, device, layout.kind)]
     notes = flag_notes(arguments, device, dtype)

@@ -16,6 +16,7 @@ from optimum.habana.transformers.models import gaudi_model_class
 from optimum.habana.utils.graph_capture import CompileCounter, GraphReport
 
 from .arguments import ScriptArguments
+from .capture import compile_backend, eager_decode_reason, is_captured
 from .generation_config import KVCacheSupply, build_generation_config, kv_cache_layout
 
 
@@ -35,19 +36,32 @@ TINY_SIZES = {
 TRACED_LAYERS = 2
 
 
-def graph_accounts(arguments: ScriptArguments, config: PreTrainedConfig, inputs: dict[str, torch.Tensor]) -> list[str]:
+def graph_accounts(
+    arguments: ScriptArguments, config: PreTrainedConfig, inputs: dict[str, torch.Tensor], device: torch.device
+) -> list[str]:
     """One line per phase: "one graph", or the graphs and the first break's reason; or what runs uncaptured."""
     execution = arguments.execution
-    if not (execution.torch_compile or execution.use_hpu_graphs):
+    if not is_captured(execution, device):
+        if execution.use_hpu_graphs:
+            return [
+                f"eager: nothing is captured (--use_hpu_graphs: HPU graphs exist on Gaudi only, not on {device.type}; "
+                "--torch_compile compiles the prompt and the decode step here)"
+            ]
         return ["eager: nothing is captured (--torch_compile compiles the prompt and the decode step)"]
     reports = traced_phases(arguments, config, inputs)
-    captured = "torch.compile" if execution.torch_compile else "an HPU graph"
     lines = []
     for phase, report in reports.items():
-        verdict = report.describe()
-        if phase == "prompt" and execution.use_hpu_graphs and execution.limit_hpu_graphs:
-            verdict += " (runs eagerly: --limit_hpu_graphs records decode steps only)"
-        lines.append(f"{phase}: {verdict} ({captured})")
+        if execution.torch_compile:
+            eager = eager_decode_reason(arguments.workload.num_beams) if phase == "decode step" else None
+            captured = f"torch.compile, {compile_backend(execution, device)}"
+        else:
+            eager = (
+                "--limit_hpu_graphs records decode steps only"
+                if phase == "prompt" and execution.limit_hpu_graphs
+                else None
+            )
+            captured = "an HPU graph"
+        lines.append(f"{phase}: runs eagerly ({eager})" if eager else f"{phase}: {report.describe()} ({captured})")
     lines.append(f"traced with dynamo on the CPU, a {TRACED_LAYERS}-layer {config.model_type} with tiny sizes")
     return lines
 

@@ -16,6 +16,7 @@ from .checks import TokenRequest
 from .fields import (
     Arguments,
     FlatTool,
+    FunctionCall,
     GenerationRequest,
     JsonObject,
     LogitBias,
@@ -87,6 +88,24 @@ class ResponseFormat(Strict):
     json_schema: JsonObject | None = None
 
 
+def characters(value: Any) -> int:
+    """The characters of the text a chat template renders from `value`: strings, text parts, the messages' and
+    items' contents, tool calls (names and arguments), tool outputs. What it does not render (a message's `name`,
+    ids) is not counted."""
+    if value is None:
+        return 0
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, list):
+        return sum(map(characters, value))
+    if isinstance(value, FunctionCall | FunctionCallItem):
+        return len(value.name) + len(value.arguments)
+    return sum(characters(getattr(value, name, None)) for name in RENDERED_FIELDS)
+
+
+RENDERED_FIELDS = ("content", "text", "tool_calls", "function", "output")
+
+
 class Generation(GenerationRequest):
     """What the three endpoints share beyond their fields: the completion length a `generation_config` asks for."""
 
@@ -125,6 +144,9 @@ class ChatCompletionRequest(Generation):
         refused('use `chat_template_kwargs` (e.g. {"enable_thinking": true}) where the template has it'),
     ] | None = None  # fmt: skip
 
+    def prompt_characters(self) -> int:
+        return characters(self.messages)
+
     def token_request(self) -> TokenRequest:
         for name in ("max_completion_tokens", "max_tokens"):
             if getattr(self, name) is not None:
@@ -159,6 +181,9 @@ class CompletionRequest(Generation):
     logprobs: Annotated[integer(0, 5), refused("not implemented")] | None = None
     logit_bias: Annotated[LogitBias, only({}, hint="/v1/chat/completions applies it")] | None = None
     stream_options: StreamOptions | None = Field(None, description="accepted: the last chunk carries usage anyway")
+
+    def prompt_characters(self) -> int:
+        return len(self.prompt)
 
     def token_request(self) -> TokenRequest:
         if self.max_tokens is not None:
@@ -297,6 +322,9 @@ class ResponsesRequest(Generation):
             if not self.instructions and all(isinstance(item, ReasoningItem) for item in self.input):
                 raise problem("invalid_value", "holds reasoning items only: give the conversation to answer", "input")
         return self
+
+    def prompt_characters(self) -> int:
+        return characters(self.input) + characters(self.instructions)
 
     def token_request(self) -> TokenRequest:
         if self.max_output_tokens is not None:

@@ -47,16 +47,29 @@ def sized_for_cpu(options: dict[str, Any], model: Any, context: int | None) -> d
     return sized
 
 
-def describe_cache(manager: Any) -> str:
-    """The paged cache the engine built: blocks, tokens, memory and the batch limit (waits for the worker to build
-    it, bounded)."""
+def wait_for_cache(manager: Any, timeout_s: float = BUILD_TIMEOUT_S) -> None:
+    """Until the engine's worker built its paged cache (bounded); a CBWorkerDeadError saying why it could not."""
+    from transformers.cli.serving.utils import CBWorkerDeadError
+
     engine = manager._cb
-    deadline = time.monotonic() + BUILD_TIMEOUT_S
+    deadline = time.monotonic() + timeout_s
     while getattr(engine, "batch_processor", None) is None:
         error = engine.background_thread_status.fatal_error
-        if error is not None or time.monotonic() > deadline:
-            return f"the paged KV cache could not be built ({error or 'timed out'})"
+        if error is not None:
+            raise CBWorkerDeadError(
+                f"The continuous-batching engine could not start: its paged KV cache could not be built "
+                f"({type(error).__name__}: {error})."
+            )
+        if time.monotonic() > deadline:
+            raise CBWorkerDeadError(
+                f"The continuous-batching engine could not start: its paged KV cache was not built within {timeout_s} s."
+            )
         time.sleep(0.05)
+
+
+def describe_cache(manager: Any) -> str:
+    """The paged cache the engine built: blocks, tokens, memory and the batch limit."""
+    engine = manager._cb
     cache = engine.batch_processor.cache
     page = engine.continuous_batching_config.page_size
     memory = cache.cache_tensor.numel() * cache.cache_tensor.element_size()

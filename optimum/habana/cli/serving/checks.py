@@ -12,6 +12,8 @@ from typing import Any
 
 from optimum.habana.transformers.attention_flags import ATTENTION_FLAG_NAMES, check_flag_combination
 
+from .fields import SAMPLING_EPS
+
 
 class RequestError(Exception):
     """A request the server refuses: its HTTP status and OpenAI's error object (message, type, param, code)."""
@@ -37,13 +39,14 @@ def error_body(message: str, status: int, param: str | None = None, code: str | 
 
 @dataclass(frozen=True)
 class ServedModel:
-    """What requests are checked against: the pinned model's name, context length and vocabulary, and whether
-    continuous batching serves it."""
+    """What requests are checked against: the pinned model's name, context length and vocabulary, whether
+    continuous batching serves it, and the most characters one token of its vocabulary stands for."""
 
     name: str
     context_length: int | None
     vocab_size: int | None
     continuous_batching: bool = False
+    longest_token: int | None = None
 
 
 @dataclass(frozen=True)
@@ -176,6 +179,7 @@ def check_request(request: Any, served: ServedModel) -> TokenRequest:
             "generation_config.num_beams",
             "unsupported_value",
         )
+    check_contradictions(request)
     if served.continuous_batching:
         for name, neutral in NOT_BATCHED.items():
             value = getattr(request, name, None)
@@ -187,6 +191,57 @@ def check_request(request: Any, served: ServedModel) -> TokenRequest:
                     "unsupported_parameter",
                 )
     return request.token_request()
+
+
+# The fields that ask for the completion's length (`generation_config.max_new_tokens` besides).
+MAX_TOKEN_FIELDS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
+
+
+def check_contradictions(request: Any) -> None:
+    """Fields that ask for two things at once, refused naming both, on both paths (transformers honoured one of them
+    without a word): two lengths, temperatures or top_p that differ (a top-level field and its `generation_config`
+    twin), more `min_new_tokens` than the completion may have, a `temperature` of 0 (greedy) with `do_sample` true,
+    or above 0 (sampling) with `do_sample` false."""
+    options = request.generation_config
+    lengths = {name: value for name in MAX_TOKEN_FIELDS if (value := getattr(request, name, None)) is not None}
+    if options is not None and options.max_new_tokens is not None:
+        lengths["generation_config.max_new_tokens"] = options.max_new_tokens
+    pairs = [list(lengths.items())]
+    for name in ("temperature", "top_p"):
+        given = getattr(request, name, None), getattr(options, name, None)
+        pairs.append([(name, given[0]), (f"generation_config.{name}", given[1])] if None not in given else [])
+    for fields in pairs:
+        if len({value for _, value in fields}) > 1:
+            (first, one), (second, other) = fields[:2]
+            raise RequestError(
+                f"`{first}` {one} and `{second}` {other} set the same thing to different values: give one of them.",
+                second,
+                "conflicting_values",
+            )
+    if options is None:
+        return
+    asked = request.token_request()
+    if (
+        options.min_new_tokens is not None
+        and asked.max_tokens is not None
+        and options.min_new_tokens > asked.max_tokens
+    ):
+        raise RequestError(
+            f"`generation_config.min_new_tokens` {options.min_new_tokens} is above `{asked.param}` {asked.max_tokens}: "
+            "a completion cannot be longer than its most tokens. Lower one of them.",
+            "generation_config.min_new_tokens",
+            "conflicting_values",
+        )
+    if request.temperature is not None and options.do_sample is not None:
+        samples = request.temperature >= SAMPLING_EPS
+        if samples != options.do_sample:
+            what = "samples" if samples else "decodes greedily"
+            raise RequestError(
+                f"`temperature` {request.temperature} {what}, and `generation_config.do_sample` {options.do_sample} "
+                "says the opposite: leave one of them out, or make them agree.",
+                "generation_config.do_sample",
+                "conflicting_values",
+            )
 
 
 # The generation settings the continuous-batching engine shares among the requests of a batch; the sampling ones

@@ -6,10 +6,12 @@ request's own `generation_config` may set them). MODEL is a local checkpoint fol
 the embedded SmolLM2-135M-Instruct is served under that name. See docs/serving.md.
 
 A bad option (the attention's, transformers serve's, or one the command line cannot parse) is one line on stderr
-and exit status 2, before the model loads; a model that does not load is one line and exit status 2 too.
+and exit status 2, before the model loads; a model that does not load, or a continuous-batching engine that cannot
+build its cache, is one line and exit status 2 too, before the port opens.
 """
 
 import inspect
+import os
 import sys
 from typing import Annotated, Any
 
@@ -52,6 +54,21 @@ OWN_PARAMETERS = [
         ],
     ),
     inspect.Parameter(
+        "max_body_bytes",
+        inspect.Parameter.KEYWORD_ONLY,
+        default=None,
+        annotation=Annotated[
+            int | None,
+            typer.Option(
+                "--max-body-bytes",
+                show_default=False,
+                help="The largest request body, in bytes: a larger one is a 413, refused before it is read whole. "
+                "Default: the body of the longest prompt the model's context can hold (each character a JSON escape), "
+                "and 1 MiB.",
+            ),
+        ],
+    ),
+    inspect.Parameter(
         "admin_routes",
         inspect.Parameter.KEYWORD_ONLY,
         default=False,
@@ -68,12 +85,14 @@ OWN_PARAMETERS = [
 
 
 def serve(**options: Any) -> None:
-    from .server import GaudiServe, ModelLoadError
+    from .server import GaudiServe, ServeStartError
 
     flags = {name: options.pop(name) for name in ATTENTION_FLAG_NAMES}
+    if options["api_key"] is None and os.environ.get(API_KEY_ENV) == "":  # click reads an empty variable as unset
+        fail(f"{API_KEY_ENV} is set but empty: give it the key clients must send, or unset it to serve without one.")
     try:  # the options are checked first, then the model loads, then it serves
         GaudiServe(attention_flags=flags, **options)
-    except (ValueError, OSError, ModelLoadError) as error:  # ServeOptionError, a family without a Gaudi class, ...
+    except (ValueError, OSError, ServeStartError) as error:  # ServeOptionError, a family without a Gaudi class, ...
         fail(str(error))
     except KeyboardInterrupt:  # Ctrl-C before uvicorn serves (while the model loads); uvicorn handles it after
         typer.echo("optimum.habana.serve: interrupted before serving (Ctrl-C); nothing was started.", err=True)

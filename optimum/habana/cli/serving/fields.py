@@ -25,6 +25,7 @@ from pydantic import (
     GetJsonSchemaHandler,
     Json,
     WithJsonSchema,
+    model_validator,
 )
 from pydantic_core import PydanticCustomError, core_schema
 from transformers import PreTrainedTokenizerBase
@@ -262,12 +263,28 @@ class FunctionDefinition(Strict):
     strict: bool | None = None
 
 
-class Tool(Strict):
+class FunctionTool(Strict):
+    """A tool of type `function`, the only kind this server runs: its type is checked before its other fields, so
+    that a `web_search` tool is refused for its type, not for a missing `name`."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def function_type(cls, value: Any) -> Any:
+        if isinstance(value, dict) and value.get("type") != "function":
+            raise PydanticCustomError(
+                "unsupported_value",
+                '{value} is not a tool type this server runs: it runs function tools only (type "function")',
+                {"value": json.dumps(value.get("type"))[:80], "field": "type"},
+            )
+        return value
+
+
+class Tool(FunctionTool):
     type: Literal["function"]
     function: FunctionDefinition
 
 
-class FlatTool(FunctionDefinition):
+class FlatTool(FunctionTool, FunctionDefinition):
     """A Responses tool: the function's fields beside `type`."""
 
     type: Literal["function"]
@@ -277,7 +294,15 @@ ToolChoice = Annotated[
     Literal["auto", "none", "required"],
     only("auto", "none", hint='the model chooses by itself ("auto"), or "none" offers it no tool'),
 ]
-Stop = Annotated[NonEmpty | Annotated[list[NonEmpty], Field(min_length=1, max_length=4)], Field(description="1 to 4")]
+# OpenAI's limit of 4 stop sequences, each bounded: transformers' StopStringCriteria scans the vocabulary for every
+# character of every stop string before generating (4 strings of 64 characters: about 3 s of the generation thread
+# here for SmolLM2; of 100,000 characters, minutes), so the bound bounds that work.
+STOP_MAX_CHARACTERS = 64
+StopString = Annotated[str, Field(min_length=1, max_length=STOP_MAX_CHARACTERS), AfterValidator(utf8)]
+Stop = Annotated[
+    StopString | Annotated[list[StopString], Field(min_length=1, max_length=4)],
+    Field(description=f"1 to 4 stop sequences of 1 to {STOP_MAX_CHARACTERS} characters"),
+]
 TokenId = Annotated[str, Field(pattern=r"^[0-9]{1,10}$")]
 LogitBias = Annotated[dict[TokenId, bounded(-100, 100)], Field(max_length=1024)]
 Seed = integer(-(2**63), 2**64 - 1)

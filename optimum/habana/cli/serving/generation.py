@@ -28,7 +28,9 @@ import torch
 from transformers import GenerationConfig, PreTrainedModel, StoppingCriteria, StoppingCriteriaList
 from transformers.cli.serving.utils import CBGenerateManager, GenerateManager, GenerationState, _StreamError
 
+from .cache import wait_for_cache
 from .checks import RequestError, TokenRequest
+from .preparation import OnServerLoop
 
 
 logger = logging.getLogger(__name__)
@@ -165,6 +167,13 @@ def bound_generation(
             param,
             "context_length_exceeded",
         )
+    if (gen_config.min_new_tokens or 0) > max_tokens:  # only where max_tokens was left out (checks)
+        raise RequestError(
+            f"`generation_config.min_new_tokens` {gen_config.min_new_tokens} is above the {max_tokens} tokens the "
+            f"context leaves for the completion ({prompt} in the {request.prompt}, of {limit}). Lower it.",
+            "generation_config.min_new_tokens",
+            "context_length_exceeded",
+        )
     gen_config.max_new_tokens = max_tokens
 
 
@@ -248,7 +257,7 @@ class BoundedStreaming:
         return queue, streamer
 
 
-class GaudiGenerateManager(BoundedStreaming, GenerateManager):
+class BoundedGenerateManager(BoundedStreaming, GenerateManager):
     """transformers' sequential manager (generate() on one thread), bounded and cancellable."""
 
     async def generate_non_streaming(
@@ -269,12 +278,15 @@ def shared_generation_config(model_config: GenerationConfig) -> GenerationConfig
     return config
 
 
-class GaudiCBGenerateManager(BoundedStreaming, CBGenerateManager):
+class BoundedCBGenerateManager(BoundedStreaming, CBGenerateManager):
     """transformers' continuous-batching manager, which refuses what its cache cannot hold, and cancels; its engine
-    runs with the server's generation settings, whichever request comes first."""
+    runs with the server's generation settings, whichever request comes first, and is known to serve once started:
+    `init_cb` returns when its paged cache is built, or raises CBWorkerDeadError saying why it could not be (a 503;
+    transformers' first requests got a 500 and later ones waited on a worker that had died)."""
 
     def init_cb(self, model: PreTrainedModel, gen_config: GenerationConfig | None = None) -> None:
         super().init_cb(model, shared_generation_config(model.generation_config))
+        wait_for_cache(self)  # at once where it was built
 
     def cache(self) -> tuple[int, int] | None:
         """(blocks, tokens per block) of the paged cache: the built one's, else the configured, else unknown."""
@@ -294,19 +306,33 @@ class GaudiCBGenerateManager(BoundedStreaming, CBGenerateManager):
         return await until_cancelled(generation, cancel=lambda: self._cb.cancel_request(request_id))
 
 
+class GaudiGenerateManager(OnServerLoop, BoundedGenerateManager):
+    """The sequential manager, its generations started on the server's event loop (`preparation`)."""
+
+
+class GaudiCBGenerateManager(OnServerLoop, BoundedCBGenerateManager):
+    """The continuous-batching manager, its requests added on the server's event loop (`preparation`)."""
+
+
 class GaudiGenerationState(GenerationState):
-    """transformers' generation state with the managers above; a continuous-batching worker that died is replaced
-    at the next request (transformers answers 503 to every request from then on)."""
+    """transformers' generation state with the managers above, which handlers running in worker threads ask for
+    under a lock (two sequential managers would generate at once); a continuous-batching worker that died is
+    replaced at the next request (transformers answers 503 to every request from then on)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._lock = threading.Lock()
 
     def get_manager(self, model_id: str, use_cb: bool = False) -> Any:
-        if use_cb and self._cb_manager is not None and not self._cb_manager.is_alive():
-            logger.warning("The continuous-batching worker died; the next request starts a new one.")
-            self._cb_manager.stop()
-            self._cb_manager = None
-        if use_cb and (self._cb_manager is None or self._cb_model_id != model_id):
-            if self._cb_manager is not None:
+        with self._lock:
+            if use_cb and self._cb_manager is not None and not self._cb_manager.is_alive():
+                logger.warning("The continuous-batching worker died; the next request starts a new one.")
                 self._cb_manager.stop()
-            self._cb_manager, self._cb_model_id = GaudiCBGenerateManager(cb_config=self._cb_config), model_id
-        if not use_cb and model_id not in self._generate_managers:
-            self._generate_managers[model_id] = GaudiGenerateManager()
-        return super().get_manager(model_id, use_cb=use_cb)
+                self._cb_manager = None
+            if use_cb and (self._cb_manager is None or self._cb_model_id != model_id):
+                if self._cb_manager is not None:
+                    self._cb_manager.stop()
+                self._cb_manager, self._cb_model_id = GaudiCBGenerateManager(cb_config=self._cb_config), model_id
+            if not use_cb and model_id not in self._generate_managers:
+                self._generate_managers[model_id] = GaudiGenerateManager()
+            return super().get_manager(model_id, use_cb=use_cb)

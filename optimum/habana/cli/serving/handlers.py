@@ -1,8 +1,9 @@
 """transformers' chat, completion and responses handlers, each taking a request its model has checked.
 
 Each handler here is transformers' own with these additions: the request arrives validated (`bodies`: the route
-declares it) and is checked against the served model (`checks`), with the asked completion length handed to the
-generation managers (`generation`); its generation settings are the model's generation config (with the server's
+declares it) and is checked against the served model (`checks`, and its prompt's length: `preparation`), with the
+asked completion length handed to the generation managers (`generation`); transformers' handler then runs off the
+event loop (`preparation`); its generation settings are the model's generation config (with the server's
 flags) updated by the request's `generation_config` and sampling fields, checked before generation (transformers
 replaces the model's config by the request's, end-of-sequence ids included); a `temperature` above 0 samples, as
 OpenAI's does; the answer names the model as the client named it (transformers answers `<name>@main`); a chat or
@@ -23,6 +24,7 @@ from transformers.cli.serving.response import ResponseHandler
 from .checks import RequestError, ServedModel, check_generation, check_request, error_body
 from .fields import SAMPLING_EPS
 from .generation import CURRENT_FLIGHT, CURRENT_TOKENS, SHUTDOWN_MESSAGE, cancellation_error, shared_generation_config
+from .preparation import check_prompt_length, off_the_loop
 
 
 DONE = "data: [DONE]\n\n"
@@ -50,10 +52,16 @@ class CheckedHandler:
                 None,
                 "unsupported_endpoint",
             )
-        tokens = CURRENT_TOKENS.set(check_request(request, served))
+        asked = check_request(request, served)
+        check_prompt_length(request, served)
+        tokens = CURRENT_TOKENS.set(asked)
         current = CURRENT_REQUEST.set(request)
+
+        async def handle() -> Any:  # in a worker thread: templating, tokenizing, the generation settings
+            return await self.handle_request(request.for_transformers(), request_id)
+
         try:
-            response = await self.handle_request(request.for_transformers(), request_id)
+            response = await off_the_loop(handle())
         except TemplateError as error:  # the template's own check of the conversation (roles' order, ...)
             raise RequestError(f"The model's chat template refused the messages: {error}", "messages") from None
         except Exception:

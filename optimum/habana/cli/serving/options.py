@@ -39,6 +39,7 @@ def check_serve_options(options: Mapping[str, Any]) -> None:
     check_dtype(options.get("dtype"))
     check_quantization(options.get("quantization"))
     check_continuous_batching(options)
+    check_compile(options)
     level = str(options.get("log_level", "warning"))
     if level.lower() not in LOG_LEVELS:
         raise ServeOptionError(f"--log-level {level!r} is not a level: take one of {', '.join(LOG_LEVELS)}.")
@@ -125,6 +126,33 @@ def check_continuous_batching(options: Mapping[str, Any]) -> None:
         low, high, words = CB_LIMITS[name]
         if isinstance(value, bool) or not low <= value <= high:
             raise ServeOptionError(f"--{name.replace('_', '-')} {value} is out of range: {words}.")
+
+
+# Where transformers' generate() compiles the decode step of a static cache (`_valid_auto_compile_criteria`).
+COMPILING_DEVICES = ("cuda", "xpu", "neuron", "tpu")
+
+
+def check_compile(options: Mapping[str, Any]) -> None:
+    """`--compile` (transformers' option) gives every sequential request a static KV cache, whose decode step
+    generate() compiles on some devices only; continuous batching does not compile with it."""
+    if not options.get("compile"):
+        return
+    if options.get("continuous_batching"):
+        raise ServeOptionError(
+            "--compile gives the sequential path a static KV cache that generate() compiles; transformers' "
+            "continuous-batching engine does not compile with it: leave one of them out."
+        )
+    device = str(options.get("device", "auto"))
+    if device != "auto":  # else known once the model is on its device
+        check_compile_device("cuda" if device.isdigit() else device.split(":")[0])
+
+
+def check_compile_device(device: str) -> None:
+    if device not in COMPILING_DEVICES:
+        raise ServeOptionError(
+            f"--compile: on {device} transformers' generate() compiles nothing (it compiles the decode step on "
+            f"{', '.join(COMPILING_DEVICES)}): leave --compile out."
+        )
 
 
 CB_LIMITS = {

@@ -20,7 +20,7 @@ from openai.types.responses import Response
 from pydantic import BaseModel
 
 from .bodies import BODIES
-from .checks import RequestError
+from .checks import MAX_TOKEN_FIELDS, RequestError
 from .fields import NonEmpty, Strict
 
 
@@ -64,6 +64,8 @@ ERRORS = {
         401: "no API key, or another one (with --api-key)",
         404: "another model than the served one",
         409: "a request id already in flight",
+        413: "a body larger than the server takes (--max-body-bytes)",
+        415: "a body sent as another content type than JSON",
         422: "a body that is not a JSON object of the endpoint's fields",
         503: "the server is shutting down, or its continuous-batching worker died",
     }.items()
@@ -125,9 +127,6 @@ def declare_routes(app: FastAPI, handlers: dict[str, Any], model_manager: Any, a
         )
     app.openapi_schema = None  # built again from these routes
     app.openapi = served_schema(app.openapi, model_manager)
-
-
-MAX_TOKEN_FIELDS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
 
 
 def served_schema(build: Callable[[], dict], model_manager: Any) -> Callable[[], dict]:

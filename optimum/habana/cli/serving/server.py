@@ -39,8 +39,9 @@ from optimum.habana.utils.pretrained import load_tokenizer
 from .cache import describe_cache, sized_for_cpu
 from .checks import ServedModel
 from .generation import SHUTDOWN, GaudiGenerationState, InFlightRequests, context_length
-from .options import ServeOptionError, check_api_key, check_serve_options
+from .options import ServeOptionError, check_api_key, check_compile_device, check_serve_options
 from .options import chat_template_kwargs as parse_chat_template_kwargs
+from .preparation import longest_token
 
 
 logger = logging.getLogger(__name__)
@@ -98,7 +99,11 @@ def describe_attention(model: PreTrainedModel) -> str:
     return f"{type(model).__name__} on {model.device}, {attention} ({', '.join(flags) or 'no flags set'})"
 
 
-class ModelLoadError(RuntimeError):
+class ServeStartError(RuntimeError):
+    """The server cannot serve (its model or its engine could not be built): one line, and the server does not start."""
+
+
+class ModelLoadError(ServeStartError):
     """The pinned model could not be loaded; the message says which and why, in one line."""
 
 
@@ -115,6 +120,7 @@ class GaudiModelManager(ModelManager):
         self.continuous_batching = bool(kwargs.get("continuous_batching"))
         self.served = ServedModel(str(kwargs.get("force_model") or ""), None, None, self.continuous_batching)
         self.has_chat_template = True
+        self.longest_token: int | None = None
         self.loaded_at = int(time.time())
         super().__init__(*args, **kwargs)
 
@@ -141,6 +147,7 @@ class GaudiModelManager(ModelManager):
         else:
             processor = super()._load_processor(model_id_and_revision, gguf_file=gguf_file)
         self.has_chat_template = getattr(processor, "chat_template", None) is not None
+        self.longest_token = longest_token(processor)
         return processor
 
     def _load_model(
@@ -177,6 +184,7 @@ class GaudiModelManager(ModelManager):
             context_length(model),
             getattr(config, "vocab_size", None),
             self.continuous_batching and hasattr(model, "init_continuous_batching"),
+            self.longest_token,
         )
         logger.warning("Serving %s: %s.", model_id, describe_attention(model))
         return model
@@ -196,6 +204,7 @@ class GaudiServe(Serve):
         attention_flags: Mapping[str, bool] | None = None,
         api_key: str | None = None,
         admin_routes: bool = False,
+        max_body_bytes: int | None = None,
         **options: Any,
     ) -> None:
         if not is_serve_available():
@@ -211,7 +220,7 @@ class GaudiServe(Serve):
         from transformers.cli.serving.utils import set_torch_seed
         from transformers.utils import logging as transformers_logging
 
-        from .app import SHUTDOWN_GRACE_S, GracefulServer, install
+        from .app import SHUTDOWN_GRACE_S, GracefulServer, default_body_limit, install
         from .handlers import GaudiChatCompletionHandler, GaudiCompletionHandler, GaudiResponseHandler
         from .routes import declare_routes
 
@@ -221,6 +230,7 @@ class GaudiServe(Serve):
         options = {parameter.name: parameter.default for parameter in SERVE_PARAMETERS} | options
         check_serve_options(options)
         check_api_key(api_key)
+        check_body_limit(max_body_bytes)
         check_attention_options(options["attn_implementation"], attention_flags or {})
         manager_options = {name: options.pop(name) for name in MANAGER_OPTIONS}
         cb_options = {name: options.pop(f"cb_{name}") for name in CB_OPTIONS}
@@ -256,6 +266,8 @@ class GaudiServe(Serve):
             raise ModelLoadError(f"{model} could not be loaded: {type(error).__name__}: {first_line}") from error
         served = self._model_manager.served
         loaded, _ = self._model_manager.load_model_and_processor(self._model_manager.process_model_name(model))
+        if compile:
+            announce_compile(loaded.device.type)
         if continuous_batching:
             cb_options = sized_for_cpu(cb_options, loaded, served.context_length)
         self._requests = InFlightRequests()
@@ -267,7 +279,7 @@ class GaudiServe(Serve):
         try:  # a Ctrl-C or a failure while the engine starts leaves nothing running
             if served.continuous_batching:  # the engine starts now, with the server's settings: its cache is known
                 engine = self._generation_state.get_manager(served.name, use_cb=True)
-                engine.init_cb(loaded)
+                start_engine(engine, loaded)
                 logger.warning("Continuous batching: %s.", describe_cache(engine))
             shared = {"model_manager": self._model_manager, "generation_state": self._generation_state}
             self._chat_handler = GaudiChatCompletionHandler(**shared, chat_template_kwargs=chat_template_kwargs)
@@ -289,8 +301,15 @@ class GaudiServe(Serve):
             )
             handlers = {"chat": self._chat_handler, "completion": self._completion_handler}
             declare_routes(app, handlers | {"response": self._response_handler}, self._model_manager, admin_routes)
-            install(app, self._requests, api_key)
+            body_limit = max_body_bytes or default_body_limit(served)
+            install(app, self._requests, api_key, body_limit)
             announce_doors(host, port, api_key, admin_routes)
+            logger.warning(
+                "Request bodies up to %.1f MiB (--max-body-bytes %d%s); a larger one is a 413.",
+                body_limit / 1024**2,
+                body_limit,
+                "" if max_body_bytes else ": the longest prompt the context holds, and 1 MiB",
+            )
             config = uvicorn.Config(
                 app, host=host, port=port, log_level="info", timeout_graceful_shutdown=SHUTDOWN_GRACE_S
             )
@@ -312,6 +331,43 @@ class GaudiServe(Serve):
         """transformers' `kill_server`, once every request in flight was cancelled (each gets its error)."""
         self._requests.cancel_all(SHUTDOWN)
         super().kill_server()
+
+
+def announce_compile(device: str) -> None:
+    """`--compile` once the model is on its device: refused where generate() would compile nothing, else said."""
+    check_compile_device(device)
+    logger.warning(
+        "--compile: generate() compiles each request's decode step (torch.compile, static KV cache) on %s; the "
+        "first requests of each length wait for the compilation.",
+        device,
+    )
+
+
+def check_body_limit(max_body_bytes: int | None) -> None:
+    if max_body_bytes is not None and (isinstance(max_body_bytes, bool) or max_body_bytes < 1):
+        raise ServeOptionError(
+            f"--max-body-bytes {max_body_bytes} is not a size: give a positive number of bytes (or leave it out: "
+            "the longest prompt the model's context holds, and 1 MiB)."
+        )
+
+
+def start_engine(engine: Any, model: PreTrainedModel) -> None:
+    """The continuous-batching engine started with its paged cache built, else a ServeStartError in one line
+    (transformers' own traceback of the failure is silenced: the line says it)."""
+    from transformers.cli.serving.utils import CBWorkerDeadError
+
+    engine_logger = logging.getLogger("ContinuousBatchingLogger")
+    level = engine_logger.level
+    engine_logger.setLevel(logging.CRITICAL)
+    try:
+        engine.init_cb(model)
+    except CBWorkerDeadError as error:
+        raise ServeStartError(
+            f"{error} Lower --cb-num-blocks or --cb-block-size, or leave them out: on CPU the cache is then sized "
+            "to the model's context."
+        ) from None
+    finally:
+        engine_logger.setLevel(level)
 
 
 def announce_doors(host: str, port: int, api_key: str | None, admin_routes: bool) -> None:
@@ -345,4 +401,11 @@ def chat_template_options(chat_template_kwargs: str | None, reasoning: str) -> d
     return options
 
 
-__all__ = ["GaudiModelManager", "GaudiServe", "ModelLoadError", "ServeOptionError", "check_attention_options"]
+__all__ = [
+    "GaudiModelManager",
+    "GaudiServe",
+    "ModelLoadError",
+    "ServeOptionError",
+    "ServeStartError",
+    "check_attention_options",
+]
