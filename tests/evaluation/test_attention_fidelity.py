@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from optimum.habana.cli.evaluation.fidelity.attention import DEFAULT, call_path, reference_attention
 from optimum.habana.utils.atomic import atomic_write_text
-from tests.generation.support import save_gpt2_config
+from tests.generation.support import UNSUPPORTED_FAMILY_REFUSAL, save_unsupported_family_config
 from tests.helpers import ROOT, load_script, save_tiny_checkpoint
 
 
@@ -198,8 +198,8 @@ def bad_values(tmp_path: Path, checkpoint: Path) -> list[tuple[list[str], str]]:
         ([*model, "--logit_lens", "32", "--ppl_window", "1000"], "--ppl_window"),
         (["--model_name_or_path", str(tmp_path / "no_such_model")], "--model_name_or_path"),
         (
-            ["--model_name_or_path", str(save_gpt2_config(tmp_path / "gpt2"))],
-            "is a 'gpt2' model, which has no Gaudi class; supported model types: llama",
+            ["--model_name_or_path", str(save_unsupported_family_config(tmp_path / "stablelm"))],
+            UNSUPPORTED_FAMILY_REFUSAL,
         ),
     ]
     if not torch.cuda.is_available():

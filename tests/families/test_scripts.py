@@ -82,3 +82,25 @@ def serve(model_type: str, folder) -> None:
 @pytest.mark.parametrize(("script", "model_type"), CASES)
 def test_script_runs_the_family_fused(script, model_type, tmp_path):
     globals()[script](model_type, tmp_path)
+
+
+EXPLAINED = {
+    "qwen3_next": ["other layers: 2 linear_attention: no softmax attention, the flag leaves them to the model"],
+    "deepseek_v3": ["latent attention: query/key heads of 24, value heads of 16, padded for the call"],
+    "gpt_oss": [
+        "(sliding window of 8 tokens; attention sinks: one more key per row)",
+        "(attention sinks: one more key",
+    ],
+    "gemma4_text": ["this layer's geometry: 4 heads of 16", "this layer's geometry: 4 heads of 32"],
+}
+
+
+@pytest.mark.parametrize("model_type", VARIANT_FAMILIES)
+def test_explain_names_each_layers_variant(model_type, tmp_path):
+    from optimum.habana.cli.generation.explain import explain
+    from tests.generation.support import parse
+
+    checkpoint = save_family_checkpoint(tmp_path, model_type, train_tiny_tokenizer(chat_template=True))
+    text = explain(parse(["--model_name_or_path", str(checkpoint), "--use_flash_attention", "--max_new_tokens", "4"]))
+    for words in EXPLAINED[model_type]:
+        assert words in text

@@ -112,6 +112,9 @@ OVERRIDES: dict[str, dict] = {
     },
     # its pattern of global and local layers, for its two layers
     "gpt_neo": {"num_layers": 2, "attention_types": [[["global", "local"], 1]]},
+    # its full-attention layers' own head size (512 by default): per-layer geometry, small
+    "gemma4_text": {"global_head_dim": 32},
+    "gemma4_unified_text": {"global_head_dim": 32},
     # its layer count and zero-compute experts under their own names
     "longcat_flash": {"num_layers": 2, "zero_expert_num": 2},
     # its shared transformer block is tied across its attention layers: two of them

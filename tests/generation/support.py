@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 from peft import LoraConfig, get_peft_model
-from transformers import GPT2Config
+from transformers import StableLmConfig
 
 from optimum.habana import GaudiLlamaForCausalLM
 from optimum.habana.cli.generation.arguments import ScriptArguments, build_parser, parse_arguments
@@ -79,8 +79,14 @@ def finish(process: subprocess.Popen) -> tuple[int, str, str]:
 # refuses them, and so does --explain.
 
 
-def save_gpt2_config(folder: Path) -> Path:
-    GPT2Config(n_layer=1, n_embd=16, n_head=2).save_pretrained(folder)
+# A family without a Gaudi class (its decoder layers drop the call's keyword arguments), and the words of its refusal.
+UNSUPPORTED_FAMILY_REFUSAL = "is a 'stablelm' model, which has no Gaudi class: StableLmDecoderLayer.forward calls"
+
+
+def save_unsupported_family_config(folder: Path) -> Path:
+    StableLmConfig(num_hidden_layers=1, hidden_size=16, num_attention_heads=2, intermediate_size=32).save_pretrained(
+        folder
+    )
     return folder
 
 
@@ -95,8 +101,8 @@ def bad_model_inputs(tiny_checkpoint: Path, folder: Path) -> dict[str, tuple[lis
             "supported GGUF architectures: llama, mistral",
         ),
         "family without a Gaudi class": (
-            ["--model_name_or_path", str(save_gpt2_config(folder / "gpt2"))],
-            "is a 'gpt2' model, which has no Gaudi class; supported model types: llama, mistral, mixtral",
+            ["--model_name_or_path", str(save_unsupported_family_config(folder / "stablelm"))],
+            UNSUPPORTED_FAMILY_REFUSAL,
         ),
         "hub id without a hub": (["--model_name_or_path", "nobody/no-such-model"], "Hugging Face Hub"),
         "folder without config": (["--model_name_or_path", str(folder)], "no config.json"),

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
+from transformers import AutoTokenizer, StableLmConfig, StableLmForCausalLM
 
 from optimum.habana.cli.serving.command import main as serve_main
 from optimum.habana.cli.serving.server import GaudiServe
@@ -216,14 +216,14 @@ def test_bad_attention_options_are_refused_before_loading(argv, words, capsys):
 
 
 def test_a_model_without_a_gaudi_class_is_refused_in_one_line(tmp_path, capsys):
-    config = GPT2Config(n_layer=1, n_head=2, n_embd=8, vocab_size=300)
-    GPT2LMHeadModel(config).save_pretrained(tmp_path)
+    config = StableLmConfig(num_hidden_layers=1, hidden_size=16, num_attention_heads=2, vocab_size=300)
+    StableLmForCausalLM(config).save_pretrained(tmp_path)
     train_tiny_tokenizer(chat_template=True).save_pretrained(tmp_path)
     with pytest.raises(SystemExit) as exit_info:
         serve_main([str(tmp_path), "--port", str(free_port())])
     assert exit_info.value.code == 2
     error = capsys.readouterr().err
-    assert "optimum.habana serve" not in error and "'gpt2'" in error and "llama" in error
+    assert "optimum.habana serve" not in error and "'stablelm'" in error and "StableLmDecoderLayer.forward" in error
     assert "Traceback" not in error
 
 

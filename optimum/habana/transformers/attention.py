@@ -96,8 +96,9 @@ def gaudi_attention_forward(
     if unknown:
         raise TypeError(
             f"The Gaudi attention does not know the argument(s) {sorted(unknown)} that {type(module).__name__} passes, "
-            "so it cannot honour them. This model family is not supported by optimum.habana: use transformers' own "
-            "attn_implementation for it."
+            "so it cannot honour them: a keyword argument given to the model's forward that nothing takes (check its "
+            "spelling), or one the family computes with that the Gaudi attention does not "
+            "(`python -m optimum.habana.families` says which families qualify)."
         )
     if segments is not None:
         key, value = key[:, :, : segments.key_ids.shape[1]], value[:, :, : segments.key_ids.shape[1]]

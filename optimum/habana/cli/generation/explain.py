@@ -21,6 +21,7 @@ from optimum.habana.cli.adapters import check_adapter_folder, check_adapter_matc
 from optimum.habana.transformers.attention_flags import AttentionFlags
 from optimum.habana.transformers.batch_layout import padding_mask_is_all_it_needs
 from optimum.habana.transformers.cache import bucketed_length
+from optimum.habana.transformers.families.qualification import family_report
 from optimum.habana.transformers.models import family_problem, gaudi_model_class
 from optimum.habana.utils.model_loading import (
     ModelResolutionError,
@@ -38,12 +39,17 @@ from .prompts import check_sequence_length, prompt_pool, prompts_for_batch, rend
 
 @dataclass(frozen=True)
 class LayerGroup:
-    """Attention layers that take the same decisions: same window, soft-capping and scale."""
+    """Attention layers that take the same decisions: same window, soft-capping, scale and variant."""
 
     indices: tuple[int, ...]
     sliding_window: int | None
     softcap: float | None
     scaling: float
+    variant: str = ""  # what the layer's attention does besides plain attention: sinks, latent heads, chunks, ...
+
+    @property
+    def label(self) -> str:
+        return f"layers {format_indices(self.indices)}" + (f" ({self.variant})" if self.variant else "")
 
 
 @dataclass(frozen=True)
@@ -60,12 +66,7 @@ def explain(arguments: ScriptArguments) -> str:
     device, dtype = resolve_execution(arguments)
     workload = arguments.workload
     config, tokenizer, description = read_config_and_tokenizer(arguments.model.model_name_or_path)
-    problem = family_problem(config.model_type)
-    if problem is not None:
-        raise ModelResolutionError(
-            f"{description} is a {config.model_type!r} model, which has no Gaudi class: {problem}."
-        )
-    model_class = gaudi_model_class(config.model_type)
+    model_class = gaudi_class_of(config.model_type, description)
     model = meta_model(model_class, config)
     adapter = arguments.model.peft_model
     if adapter:  # the checks of a real run, against the model built on the meta device
@@ -116,7 +117,9 @@ def explain(arguments: ScriptArguments) -> str:
         )
         for group in groups:
             account = call_account(flags, group, phase, device, padding_mask_is_all_it_needs(config))
-            lines.append(f"    layers {format_indices(group.indices)}: {account}")
+            lines.append(f"    {group.label}: {account}")
+    if others := other_layer_kinds(config):
+        lines.append(f"  other layers: {', '.join(others)}: no softmax attention, the flag leaves them to the model")
     lines += ["", "Graphs:"]
     lines += [f"  {line}" for line in graph_accounts(arguments, config, inputs, device)]
     lines += ["", "Flags:"]
@@ -148,11 +151,17 @@ def read_config_and_tokenizer(model_name_or_path: str | None):
             ) from None
         return config, tokenizer, f"{gguf.name} (GGUF metadata)"
     resolved = resolve_model(model_name_or_path)
-    return (
-        AutoConfig.from_pretrained(resolved.path),
-        AutoTokenizer.from_pretrained(resolved.path),
-        resolved.description,
-    )
+    config = AutoConfig.from_pretrained(resolved.path)
+    gaudi_class_of(config.model_type, resolved.description)  # before the tokenizer, as a real run checks it
+    return config, AutoTokenizer.from_pretrained(resolved.path), resolved.description
+
+
+def gaudi_class_of(model_type: str, description: str) -> type:
+    """The model's Gaudi class; a family without one is refused in a real run's words."""
+    problem = family_problem(model_type)
+    if problem is not None:
+        raise ModelResolutionError(f"{description} is a {model_type!r} model, which has no Gaudi class: {problem}.")
+    return gaudi_model_class(model_type)
 
 
 def meta_model(model_class: type, config) -> torch.nn.Module:
@@ -162,17 +171,55 @@ def meta_model(model_class: type, config) -> torch.nn.Module:
 
 
 def attention_layer_groups(model: torch.nn.Module) -> list[LayerGroup]:
-    """Each attention layer's window, soft-capping and scale, read from the model built on the meta device."""
+    """Each attention layer's window, soft-capping, scale and variant, read from the model built on the meta device
+    (the modules of the family's attention classes, `FamilyReport.attention_classes`)."""
     by_settings: dict[tuple, list[int]] = {}
-    attention_modules = [module for module in model.modules() if hasattr(module, "scaling")]
+    classes = set(family_report(model.config.model_type).attention_classes)
+    attention_modules = [module for module in model.modules() if type(module).__name__ in classes]
     for index, module in enumerate(attention_modules):
         settings = (
             getattr(module, "sliding_window", None),
             getattr(module, "attn_logit_softcapping", None),
             float(module.scaling),
+            layer_variant(module, model.config),
         )
         by_settings.setdefault(settings, []).append(index)
     return [LayerGroup(tuple(indices), *settings) for settings, indices in by_settings.items()]
+
+
+def layer_variant(module: torch.nn.Module, config) -> str:
+    """What one attention layer does besides plain attention, in the words of the fused path's account."""
+    parts = []
+    layer_types = getattr(config, "layer_types", None) or ()
+    layer_index = getattr(module, "layer_idx", None)
+    kind = layer_types[layer_index] if isinstance(layer_index, int) and layer_index < len(layer_types) else None
+    if kind == "chunked_attention":
+        parts.append(f"chunked local attention, chunks of {config.attention_chunk_size} tokens, through the mask")
+    if isinstance(window := getattr(module, "sliding_window", None), int):
+        parts.append(f"sliding window of {window} tokens")
+    if isinstance(getattr(module, "sinks", None), torch.Tensor):
+        parts.append("attention sinks: one more key per row")
+    key_size, value_size = getattr(module, "qk_head_dim", None), getattr(module, "v_head_dim", None)
+    if isinstance(key_size, int) and isinstance(value_size, int) and key_size != value_size:
+        parts.append(
+            f"latent attention: query/key heads of {key_size}, value heads of {value_size}, padded for the call"
+        )
+    if getattr(module, "indexer", None) is not None:
+        parts.append(f"sparse: the indexer's {getattr(config, 'index_topk', '?')} keys per query, as a mask")
+    if getattr(config, "is_heterogeneous", False):
+        heads = getattr(module, "num_heads", None) or getattr(
+            getattr(module, "config", None), "num_attention_heads", "?"
+        )
+        parts.append(f"this layer's geometry: {heads} heads of {getattr(module, 'head_dim', '?')}")
+    return "; ".join(parts)
+
+
+def other_layer_kinds(config) -> list[str]:
+    """A hybrid's layers that are no softmax attention, counted by kind."""
+    kinds = [
+        kind for kind in getattr(config, "layer_types", None) or () if "attention" not in kind or "linear" in kind
+    ]
+    return [f"{kinds.count(kind)} {kind}" for kind in dict.fromkeys(kinds)]
 
 
 def phases(
