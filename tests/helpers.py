@@ -21,7 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, PreTrainedConfig, PreTrainedTokenizerFast
 
 from optimum.habana import gaudi_model_class
-from optimum.habana.kernels import variable_length
+from optimum.habana.kernels import local_attention, variable_length
 from optimum.habana.transformers import attention
 from optimum.habana.transformers.models import GAUDI_CAUSAL_LM_CLASSES
 from optimum.habana.utils.model_loading import CACHE_ENV_VAR, ResolvedModel, resolve_model
@@ -86,8 +86,9 @@ class _KernelCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-# The modules that call the fused kernel dispatch: a plain call, a padded prompt or several sequences in a row.
-KERNEL_CALLERS = (attention, variable_length)
+# The modules that call the fused kernel dispatch: a plain call, a padded prompt or several sequences in a row, a
+# window or a chunk cut into pieces.
+KERNEL_CALLERS = (attention, variable_length, local_attention)
 
 
 def spy_on_fused_kernel(monkeypatch: pytest.MonkeyPatch, wrap: Callable[[Callable], Callable]) -> None:

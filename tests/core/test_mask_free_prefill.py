@@ -5,7 +5,7 @@ import torch
 import transformers.masking_utils
 
 from optimum.habana import GaudiLlamaForCausalLM, GaudiMistralForCausalLM
-from optimum.habana.kernels import dispatch, variable_length
+from optimum.habana.kernels import dispatch, local_attention, variable_length
 from optimum.habana.transformers import attention
 from tests.helpers import left_padded_batch, tiny_config, tiny_llama_config
 
@@ -32,8 +32,8 @@ def spy_masks_and_kernel(monkeypatch) -> tuple[list, list]:
 
     for name in ("gaudi", "gaudi_fused_sdpa", "sdpa"):
         monkeypatch.setitem(transformers.masking_utils.ALL_MASK_ATTENTION_FUNCTIONS._global_mapping, name, mask)
-    monkeypatch.setattr(attention, "fused_sdpa", kernel)
-    monkeypatch.setattr(variable_length, "fused_sdpa", kernel)
+    for module in (attention, variable_length, local_attention):
+        monkeypatch.setattr(module, "fused_sdpa", kernel)
     return built, kernel_masks
 
 
@@ -73,11 +73,17 @@ def test_default_path_fallback_rebuilds_the_padding_mask(model):
         torch.testing.assert_close(ours[1, :, -1], reference[1, :, -1])
 
 
-def test_sliding_window_models_keep_their_mask(monkeypatch):
-    """The window lives in the mask: such a model's padded prompt still builds it."""
+def test_sliding_window_models_build_no_prompt_mask_either(monkeypatch):
+    """A windowed layer's padded prompt runs in windows (`kernels/local_attention.py`): the kernel reads at most the
+    `[W, 2W]` band of one window, never a `[q, kv]` mask, and the logits are the mask's."""
     torch.manual_seed(0)
     model = GaudiMistralForCausalLM(tiny_config("mistral", sliding_window=4)).eval()
-    built, kernel_masks = spy_masks_and_kernel(monkeypatch)
-    model(**left_padded_batch([9, 5]), use_flash_attention=True)
-    assert any(mask is not None and mask.shape[-2] == 9 for mask in built)
-    assert all(mask is not None for _, mask, _ in kernel_masks)
+    inputs = left_padded_batch([9, 5])
+    with torch.no_grad():
+        expected = model(**inputs).logits  # the default path reads transformers' windowed mask
+        built, kernel_masks = spy_masks_and_kernel(monkeypatch)
+        flash = model(**inputs, use_flash_attention=True).logits
+    assert not any(mask is not None and mask.shape[-2] == 9 for mask in built)
+    assert all(mask is None or mask.shape[-2:] == (4, 8) for _, mask, _ in kernel_masks)
+    real = inputs["attention_mask"].bool()
+    torch.testing.assert_close(flash[real], expected[real])

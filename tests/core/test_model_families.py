@@ -108,9 +108,10 @@ def test_sliding_window_longer_prompt_is_honoured(model_type, monkeypatch):
         causal = greedy(ours, inputs, use_flash_attention=True, flash_attention_causal_mask=True)
     assert torch.equal(flash, reference)
     assert torch.equal(causal, reference)
-    assert counts["default"] == 0 and counts["fused"] == 2 * ATTENTION_CALLS
-    notes = [str(warning.message) for warning in caught if "sliding window of 5 tokens" in str(warning.message)]
-    assert len(notes) == 1 and "read the mask to keep the window" in notes[0]
+    # A windowed layer's prompt runs in two fused calls (its first window, then the rest): at least one per call.
+    assert counts["default"] == 0 and counts["fused"] >= 2 * ATTENTION_CALLS
+    # Off Gaudi the window needs no mask, in the causal-mask mode too: nothing to warn about.
+    assert not [warning for warning in caught if "sliding window of 5 tokens" in str(warning.message)]
 
 
 def test_gemma2_soft_capping_and_scaling_match_stock_eager():

@@ -14,7 +14,7 @@ from transformers import DataCollatorWithFlattening
 from optimum.habana.cli.finetuning.modeling import attention_projections
 from optimum.habana.kernels import variable_length
 from optimum.habana.kernels.variable_length import Segment
-from optimum.habana.transformers import attention, batch_layout, registration
+from optimum.habana.transformers import attention, batch_layout, planned_masks, registration
 from tests.helpers import FAMILIES, SLIDING_WINDOW_CONFIGS, SOFT_CAPPED, build_pair
 
 
@@ -117,7 +117,7 @@ def test_fused_packed_path_runs_one_maskless_call_per_example(model_type, flash_
     monkeypatch.setattr(attention, "fused_sdpa", spy)  # any unpacked call would be counted too
     monkeypatch.setattr(variable_length, "fused_sdpa", spy)
     monkeypatch.setattr(variable_length, "segment_mask", no_mask_here)
-    monkeypatch.setattr(attention, "segment_mask", no_mask_here)
+    monkeypatch.setattr(planned_masks, "segment_mask", no_mask_here)
     monkeypatch.setattr(registration, "sdpa_mask", no_mask_here)
     ours.train()
     batch = DataCollatorWithFlattening(return_flash_attn_kwargs=flash_kwargs)(examples())

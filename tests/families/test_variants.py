@@ -208,3 +208,50 @@ def test_continuous_batching_serves_each_request_or_refuses_the_family_in_one_li
         outputs = ours.generate_batch(generation_config=greedy_config(use_flash_attention=True), **engine)
     assert by_request(outputs) == expected
     assert counts["fused"] > 0 and counts["default"] == 0
+
+
+def dense_local_reference(query, key, value, allowed):
+    groups = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    scores = (query @ key.transpose(-1, -2)) * query.shape[-1] ** -0.5
+    return scores.masked_fill(~allowed, float("-inf")).softmax(dim=-1) @ value
+
+
+@pytest.mark.parametrize("extent", [1, 3, 4, 7, 13, 20])
+def test_windows_and_chunks_in_pieces_match_their_dense_masks(extent):
+    """`kernels/local_attention.py`: no `[q, kv]` mask, the dense mask's output and gradients, for windows and
+    chunks that divide the length, do not, or exceed it."""
+    from optimum.habana.kernels.local_attention import chunked_causal_sdpa, windowed_causal_sdpa
+
+    query, key, value, _ = random_attention(13, 13, value_dim=8)
+    positions = torch.arange(13)
+    causal = positions[None] <= positions[:, None]
+    masks = {
+        windowed_causal_sdpa: causal & (positions[None] > positions[:, None] - extent),
+        chunked_causal_sdpa: causal & (positions[None] // extent == positions[:, None] // extent),
+    }
+    for function, allowed in masks.items():
+        output = function(query, key, value, extent, scale=None)
+        reference = dense_local_reference(query, key, value, allowed)
+        torch.testing.assert_close(output, reference, rtol=1e-5, atol=1e-6)
+        found = torch.autograd.grad(output.sum(), (query, key, value))
+        expected = torch.autograd.grad(reference.sum(), (query, key, value))
+        for a, b in zip(found, expected, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("padding", ["left", "right", "middle"])
+def test_a_local_layers_padded_prompt_keeps_transformers_window(padding, monkeypatch):
+    """gpt-oss (windows of 8 alternating with full layers, and sinks) on 12-token prompts: left and right padding run
+    in windows, padding in the middle (whose window counts the padding, as transformers' does) through the mask."""
+    ours, stock = family_pair("gpt_oss")
+    inputs = left_padded_batch(LENGTHS)
+    if padding == "right":
+        inputs = {name: tensor.flip(-1) for name, tensor in inputs.items()}
+    elif padding == "middle":
+        inputs["attention_mask"][0, 3:5] = 0
+    with torch.no_grad():
+        expected = stock(**inputs).logits
+        logits = ours(**inputs, use_flash_attention=True).logits
+    real = inputs["attention_mask"].bool()
+    assert (logits[real] - expected[real]).abs().max() <= 1e-4

@@ -16,7 +16,8 @@ from typing import Literal, NamedTuple
 import torch
 
 from . import dispatch
-from .dispatch import SoftmaxMode, fused_sdpa
+from .dispatch import PaddingSide, SoftmaxMode, fused_sdpa
+from .local_attention import chunked_causal_sdpa, windowed_causal_sdpa
 
 
 # Where a prompt's padding lies: "none", one side, or "any" (not known: decided in the graph, from the mask).
@@ -67,45 +68,49 @@ def padded_causal_sdpa(
     softmax_mode: SoftmaxMode,
     recompute: bool,
     sinks: torch.Tensor | None = None,
+    window: int | None = None,
+    chunk: int | None = None,
 ) -> torch.Tensor:
     """Causal attention over each row's real tokens; query `[B, H, q, D]`, key/value from index 0 -> `[B, H, q, Dv]`.
 
     FusedSDPA's valid-length mode serves inference on Gaudi (its `valid_seq_len` is an inference argument); elsewhere,
     and in training, a row whose real tokens do not come first is permuted so that they do. `sinks`: one per head.
+    A local layer's `window` or `chunk` (`local_attention.py`) counts positions from each row's first real token, as
+    transformers' masks do when the padding is on one side: such a prompt must not have padding in the middle.
     """
+    if (window or chunk) and prompt.side == "any":
+        raise ValueError("a windowed or chunked padded prompt needs its padding on one side: pass its mask instead")
     q_len = query.shape[2]
     key, value = key[:, :, :q_len], value[:, :, :q_len]  # a static cache's unused slots lie past the prompt
     inference = not (query.requires_grad or key.requires_grad or value.requires_grad)
-    valid_length_mode = dispatch.on_hpu(query) and inference and prompt.side != "none"
+    valid_length_mode = dispatch.on_hpu(query) and inference and prompt.side != "none" and not (window or chunk)
     if sinks is not None:
         valid_length_mode = valid_length_mode and dispatch.kernel_takes_sinks(query, key, sinks)
     valid_lengths = prompt.lengths if valid_length_mode else None
     options = {
-        "is_causal": True,
         "scale": scale,
         "dropout_p": dropout_p,
         "softmax_mode": softmax_mode,
         "recompute": recompute,
         "sinks": sinks,
     }
-    if prompt.side in ("none", "right") or (prompt.side == "left" and valid_lengths is not None):
-        side = "right" if prompt.side == "right" else "left"
-        output = fused_sdpa(
-            query, key, value, None, valid_sequence_lengths=valid_lengths, padding_side=side, **options
+
+    def causal(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, side: PaddingSide) -> torch.Tensor:
+        if window:
+            return windowed_causal_sdpa(query, key, value, window, **options)
+        if chunk:
+            return chunked_causal_sdpa(query, key, value, chunk, **options)
+        return fused_sdpa(
+            query, key, value, None, is_causal=True, valid_sequence_lengths=valid_lengths, padding_side=side, **options
         )
+
+    if prompt.side in ("none", "right") or (prompt.side == "left" and valid_lengths is not None):
+        output = causal(query, key, value, "right" if prompt.side == "right" else "left")
     else:
         order = torch.argsort((~prompt.real).to(torch.int32), dim=-1, stable=True)  # real tokens first, in order
         restore = torch.argsort(order, dim=-1)
-        output = fused_sdpa(
-            _gather_positions(query, order),
-            _gather_positions(key, order),
-            _gather_positions(value, order),
-            None,
-            valid_sequence_lengths=valid_lengths,
-            padding_side="right",
-            **options,
-        )
-        output = _gather_positions(output, restore)
+        permuted = (_gather_positions(tensor, order) for tensor in (query, key, value))
+        output = _gather_positions(causal(*permuted, "right"), restore)
     if prompt.side == "none":
         return output
     return output.masked_fill(~prompt.real[:, None, :, None], 0.0)

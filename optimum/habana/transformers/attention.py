@@ -27,12 +27,11 @@ from ..kernels.variable_length import (
     Segment,
     Segments,
     padded_causal_sdpa,
-    segment_mask,
     segmented_sdpa,
-    windowed_causal_mask,
 )
 from .attention_flags import DEFAULT_PATH_FLAGS, AttentionFlags, attention_flags_of, call_attention_flags
 from .batch_layout import paged_segments
+from .planned_masks import is_real_keys_only, planned_mask, prompt_mask, scored_mask
 
 
 ATTENTION_IMPLEMENTATION = "gaudi"
@@ -109,15 +108,19 @@ def gaudi_attention_forward(
         attention_mask = planned_mask(attention_mask, padded_prompt, segments, sliding_window, key.shape[2])
         attention_mask = scored_mask(attention_mask, query, key, is_causal, position_bias, selected_keys)
         padded_prompt = segments = None
-    if padded_prompt is not None and sliding_window is not None and query.shape[2] > sliding_window:
-        # The window lives in transformers' mask, which this layer keeps (only windowless models go mask-free).
-        if flags.use_flash_attention and flags.flash_attention_causal_mask:
-            warn_once(
-                f"flash_attention_causal_mask: {type(module).__name__} attends within a sliding window of "
-                f"{sliding_window} tokens, shorter than this prompt ({query.shape[2]}); its layers read the mask to "
-                "keep the window."
-            )
-        padded_prompt = None
+    window, chunk = local_extent(module, sliding_window, query.shape[2])
+    if padded_prompt is not None and (window or chunk):
+        if not is_real_keys_only(attention_mask):  # transformers' own mask reached the layer: it keeps the window
+            if flags.use_flash_attention and flags.flash_attention_causal_mask:
+                warn_once(
+                    f"flash_attention_causal_mask: {type(module).__name__} attends within a sliding window of "
+                    f"{window or chunk} tokens, shorter than this prompt ({query.shape[2]}); its layers read the "
+                    "mask to keep the window."
+                )
+            padded_prompt = None
+        elif padded_prompt.side == "any":  # padding in the middle: the window counts it, as transformers does
+            attention_mask = prompt_mask(padded_prompt, key.shape[2], window, chunk)
+            padded_prompt = None
     if flags.use_flash_attention:
         for name in DEFAULT_PATH_FLAGS:
             if getattr(flags, name):
@@ -130,13 +133,13 @@ def gaudi_attention_forward(
             try:
                 output = flash_attention(
                     module, query, key, value, attention_mask, scaling, dropout, flags, sliding_window, is_causal,
-                    padded_prompt, segments, sinks,
+                    padded_prompt, segments, sinks, (window, chunk),
                 )  # fmt: skip
                 return output.transpose(1, 2).contiguous(), None
             except FusedSDPAUnavailable as error:
                 reason = str(error)
         warn_once(f"use_flash_attention: {reason}. Running the default attention instead; results are unchanged.")
-    attention_mask = planned_mask(attention_mask, padded_prompt, segments, sliding_window, key.shape[2])
+    attention_mask = planned_mask(attention_mask, padded_prompt, segments, window, key.shape[2], chunk)
     softmax_dtype = query.dtype if flags.attn_softmax_bf16 else torch.float32
     return matmul_softmax_attention(
         query,
@@ -152,54 +155,21 @@ def gaudi_attention_forward(
     )
 
 
-def planned_mask(
-    attention_mask: torch.Tensor | None,
-    padded_prompt: PaddedPrompt | None,
-    segments: Segments | None,
-    sliding_window: int | None,
-    key_length: int,
-) -> torch.Tensor | None:
-    """The dense mask of the batch's plan, for calls that read one: the sequences of a packed batch, or a padded
-    prompt's real keys with causality (its layers got only the `[B, 1, 1, kv]` real keys, or transformers' mask)."""
-    if segments is not None:
-        return segment_mask(segments, sliding_window)
-    if padded_prompt is not None and (attention_mask is None or attention_mask.shape[-2] == 1):
-        return prompt_mask(padded_prompt, key_length)
-    return attention_mask
+def local_extent(module: nn.Module, sliding_window: int | None, q_len: int) -> tuple[int | None, int | None]:
+    """The layer's sliding window or chunk when this call's queries reach past it, else (None, None).
 
-
-def scored_mask(
-    attention_mask: torch.Tensor | None,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    is_causal: bool | None,
-    position_bias: torch.Tensor | None,
-    selected_keys: torch.Tensor | None,
-) -> torch.Tensor | None:
-    """The mask with what a family adds to the scores: the keys its indexer selected per query (`indices`, top-k
-    sparse attention: every other key masked, as the family does for its eager and SDPA paths) and an additive
-    position bias (a float mask, the bias added)."""
-    q_len, kv_len = query.shape[2], key.shape[2]
-    if attention_mask is None and q_len > 1 and is_causal is not False:
-        attention_mask = windowed_causal_mask(q_len, kv_len, None, query.device)[None, None]
-    if selected_keys is not None:
-        unselected = torch.ones(selected_keys.shape[0], q_len, kv_len, dtype=torch.bool, device=query.device)
-        unselected = unselected.scatter(-1, selected_keys.long(), False)[:, None]
-        if attention_mask is None:
-            attention_mask = ~unselected
-        elif attention_mask.dtype == torch.bool:
-            attention_mask = attention_mask & ~unselected
-        else:
-            attention_mask = attention_mask.masked_fill(unselected, torch.finfo(attention_mask.dtype).min)
-    if position_bias is not None:
-        if attention_mask is None:
-            attention_mask = position_bias.to(query.dtype)
-        elif attention_mask.dtype == torch.bool:
-            blocked = torch.finfo(query.dtype).min
-            attention_mask = position_bias.to(query.dtype).masked_fill(~attention_mask, blocked)
-        else:
-            attention_mask = attention_mask + position_bias.to(attention_mask.dtype)
-    return attention_mask
+    The window comes as the family passes it, or, like the chunk, from transformers' own convention for local layers
+    (`config.layer_types[layer_idx]` with `config.sliding_window` or `config.attention_chunk_size`), which its masks
+    follow."""
+    config = getattr(module, "config", None)
+    layer_types = getattr(config, "layer_types", None) or ()
+    layer_index = getattr(module, "layer_idx", None)
+    kind = layer_types[layer_index] if isinstance(layer_index, int) and layer_index < len(layer_types) else None
+    if sliding_window is None and kind == "sliding_attention":
+        sliding_window = getattr(config, "sliding_window", None)
+    chunk = getattr(config, "attention_chunk_size", None) if kind == "chunked_attention" else None
+    window = sliding_window if isinstance(sliding_window, int) and q_len > sliding_window else None
+    return window, chunk if isinstance(chunk, int) and q_len > chunk else None
 
 
 def paged_step_segments(
@@ -241,8 +211,10 @@ def flash_attention(
     padded_prompt: PaddedPrompt | None,
     segments: Segments | None,
     sinks: torch.Tensor | None = None,
+    local: tuple[int | None, int | None] = (None, None),
 ) -> torch.Tensor:
-    """Choose the kernel and its arguments for this call; returns `[B, H, q, Dv]`."""
+    """Choose the kernel and its arguments for this call; returns `[B, H, q, Dv]`. `local`: the layer's window and
+    chunk, for a planned prompt longer than them."""
     is_prefill = query.shape[2] > 1
     dropout = dropout if module.training else 0.0
     # Recomputation trades compute for memory where there is memory to save: prefill and training.
@@ -270,7 +242,8 @@ def flash_attention(
         "sinks": sinks,
     }
     if padded_prompt is not None:
-        return padded_causal_sdpa(query, key, value, padded_prompt, **options)
+        window, chunk = local
+        return padded_causal_sdpa(query, key, value, padded_prompt, window=window, chunk=chunk, **options)
     if attention_mask is None and is_prefill and is_causal is not False:
         # Causal prefill from an empty cache: a static cache's unused slots lie past the prompt, drop them.
         q_len = query.shape[2]
@@ -348,26 +321,6 @@ def fully_masked_queries(attention_mask: torch.Tensor | None) -> torch.Tensor | 
     if attention_mask.dtype == torch.bool:
         return ~attention_mask.any(dim=-1, keepdim=True)
     return (attention_mask <= torch.finfo(attention_mask.dtype).min).all(dim=-1, keepdim=True)
-
-
-def prompt_mask(prompt: PaddedPrompt, key_length: int) -> torch.Tensor:
-    """The boolean `[B, 1, q, kv]` mask transformers builds for a padded prompt: causal, over the real keys."""
-    q_len = prompt.real.shape[1]
-    positions = torch.arange(key_length, device=prompt.real.device)
-    causal = positions[None, :] <= positions[:q_len, None]
-    real_keys = torch.nn.functional.pad(prompt.real, (0, key_length - q_len))  # a static cache's empty slots
-    return (causal[None] & real_keys[:, None, :])[:, None]
-
-
-def causal_padding_mask(valid_sequence_lengths: torch.Tensor, q_len: int, padding_side: str) -> torch.Tensor:
-    """The boolean `[B, 1, q, q]` mask of a causal prefill whose rows hold `valid_sequence_lengths` real tokens."""
-    positions = torch.arange(q_len, device=valid_sequence_lengths.device)
-    if padding_side == "left":
-        real = positions >= (q_len - valid_sequence_lengths)[:, None]
-    else:
-        real = positions < valid_sequence_lengths[:, None]
-    causal = positions[None, :] <= positions[:, None]
-    return (causal[None] & real[:, None, :])[:, None]
 
 
 class AttentionConfigView:

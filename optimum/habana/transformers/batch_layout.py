@@ -27,7 +27,7 @@ from transformers.masking_utils import (
 )
 from transformers.utils.import_utils import is_tracing
 
-from ..kernels.dispatch import host_reads_allowed, needs_padding_mask
+from ..kernels.dispatch import host_reads_allowed, needs_padding_mask, on_hpu
 from ..kernels.variable_length import PaddedPrompt, PromptPaddingSide, Segment, Segments
 from .families.qualification import family_runs_mask_free
 
@@ -84,8 +84,22 @@ def _plan(config: PreTrainedConfig, kwargs: dict[str, Any]) -> dict[str, Any]:
 
 def prompt_runs_mask_free(config: PreTrainedConfig, tokens: torch.Tensor, causal_mask_mode: bool) -> bool:
     """Whether a padded prompt runs without transformers' mask on the fused path: every layer needs nothing but
-    causality and the padding, and the device's kernel does not read the mask (Gaudi without the causal-mask mode)."""
-    return padding_mask_is_all_it_needs(config) and not needs_padding_mask(tokens, causal_mask_mode)
+    causality and the padding, or, off Gaudi, a window or chunk too (`kernels/local_attention.py`); and the device's
+    kernel does not read the mask (Gaudi without the causal-mask mode)."""
+    layers_plan_it = padding_mask_is_all_it_needs(config) or (not on_hpu(tokens) and local_layers_run_planned(config))
+    return layers_plan_it and not needs_padding_mask(tokens, causal_mask_mode)
+
+
+def local_layers_run_planned(config: PreTrainedConfig) -> bool:
+    """Whether every layer is causal attention, full, within a sliding window or within a chunk, and only the
+    attention reads the masks: the layers then take a padded prompt's plan and apply their own window or chunk."""
+    if not family_runs_mask_free(config.model_type) or not getattr(config, "is_causal", True):
+        return False
+    return set(getattr(config, "layer_types", None) or ()) <= {
+        "full_attention",
+        "sliding_attention",
+        "chunked_attention",
+    }
 
 
 def is_empty_cache_prompt(attention_mask: Any, q_len: int) -> bool:
@@ -262,6 +276,7 @@ __all__ = [
     "can_run_packed",
     "is_empty_cache_prompt",
     "is_padding_mask",
+    "local_layers_run_planned",
     "masks_without_shortcuts",
     "packed_segments",
     "padded_prompt",

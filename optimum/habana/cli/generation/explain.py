@@ -19,7 +19,7 @@ from transformers import AutoConfig, AutoTokenizer
 
 from optimum.habana.cli.adapters import check_adapter_folder, check_adapter_matches
 from optimum.habana.transformers.attention_flags import AttentionFlags
-from optimum.habana.transformers.batch_layout import padding_mask_is_all_it_needs
+from optimum.habana.transformers.batch_layout import local_layers_run_planned, padding_mask_is_all_it_needs
 from optimum.habana.transformers.cache import bucketed_length
 from optimum.habana.transformers.families.qualification import family_report
 from optimum.habana.transformers.models import family_problem, gaudi_model_class
@@ -46,6 +46,7 @@ class LayerGroup:
     softcap: float | None
     scaling: float
     variant: str = ""  # what the layer's attention does besides plain attention: sinks, latent heads, chunks, ...
+    chunk: int | None = None  # a chunked layer's chunk size
 
     @property
     def label(self) -> str:
@@ -110,13 +111,15 @@ def explain(arguments: ScriptArguments) -> str:
             )
         )
     lines += ["", "Attention calls:"]
+    # A padded prompt's plan (batch_layout): every layer full attention, or, off Gaudi, windows and chunks too.
+    prompt_plan = padding_mask_is_all_it_needs(config) or (device.type != "hpu" and local_layers_run_planned(config))
     for phase in phases(layout.kind, input_length, workload.max_new_tokens, padded, max_cache_len, layout):
         lines.append(
             f"  {phase.name} (q={phase.q_len}, kv={format_range(phase.kv_lengths)}"
             f"{', padded rows' if phase.padded else ''}):"
         )
         for group in groups:
-            account = call_account(flags, group, phase, device, padding_mask_is_all_it_needs(config))
+            account = call_account(flags, group, phase, device, prompt_plan)
             lines.append(f"    {group.label}: {account}")
     if others := other_layer_kinds(config):
         lines.append(f"  other layers: {', '.join(others)}: no softmax attention, the flag leaves them to the model")
@@ -182,9 +185,21 @@ def attention_layer_groups(model: torch.nn.Module) -> list[LayerGroup]:
             getattr(module, "attn_logit_softcapping", None),
             float(module.scaling),
             layer_variant(module, model.config),
+            layer_chunk(module, model.config),
         )
         by_settings.setdefault(settings, []).append(index)
     return [LayerGroup(tuple(indices), *settings) for settings, indices in by_settings.items()]
+
+
+def layer_chunk(module: torch.nn.Module, config) -> int | None:
+    layer_types = getattr(config, "layer_types", None) or ()
+    layer_index = getattr(module, "layer_idx", None)
+    chunked = (
+        isinstance(layer_index, int)
+        and layer_index < len(layer_types)
+        and layer_types[layer_index] == "chunked_attention"
+    )
+    return config.attention_chunk_size if chunked else None
 
 
 def layer_variant(module: torch.nn.Module, config) -> str:
@@ -293,10 +308,24 @@ def call_account(
         and not (device.type == "hpu" and not flags.flash_attention_causal_mask)
     )
     planned = mask_free or (dynamic_prefill and flags.flash_attention_causal_mask)
-    window_kept = planned and group.sliding_window is not None and phase.q_len > group.sliding_window
+    window = group.sliding_window if group.sliding_window is not None and phase.q_len > group.sliding_window else None
+    chunk = group.chunk if group.chunk is not None and phase.q_len > group.chunk else None
+    # Off Gaudi a planned prompt's local layer runs in windows or chunks (kernels/local_attention.py); on Gaudi, and
+    # where the plan kept transformers' mask, the mask keeps the window.
+    runs_local = (
+        (window or chunk) and is_prefill and phase.from_empty_cache and model_mask_free and device.type != "hpu"
+    )
+    window_kept = planned and window is not None and not runs_local
     if window_kept:
         planned = False
-    if planned and device.type == "hpu" and phase.padded:
+    if runs_local and window:
+        arguments = (
+            f"attn_mask=None within a window of {window}: the first {window} queries causally, then blocks of "
+            f"{window} queries over their own and the previous block (one [{window}, {2 * window}] band mask)"
+        )
+    elif runs_local:
+        arguments = f"attn_mask=None, is_causal=True within each chunk of {chunk} (the chunks stacked in one call)"
+    elif planned and device.type == "hpu" and phase.padded:
         arguments = "attn_mask=None, is_causal=True, valid lengths per row"
     elif planned and phase.padded:
         arguments = (
@@ -306,8 +335,8 @@ def call_account(
         arguments = "attn_mask=None, is_causal=True"
     else:
         arguments = f"attn_mask={mask}" + (" (additive)" if device.type == "hpu" else "") + ", is_causal=False"
-    if mask_free:
-        arguments += " (no padding mask is built)"
+    if mask_free or runs_local:
+        arguments += " (no padding mask is built)" if not runs_local else " (no [q, kv] mask is built)"
     softmax_mode = "fast" if flags.flash_attention_fast_softmax and is_prefill else "None"
     recompute = flags.flash_attention_recompute and is_prefill
     account = (

@@ -20,7 +20,8 @@ from torch import nn
 
 from optimum.habana.kernels.dispatch import needs_padding_mask
 from optimum.habana.kernels.variable_length import PaddedPrompt
-from optimum.habana.transformers.attention import causal_padding_mask, gaudi_attention_forward
+from optimum.habana.transformers.attention import gaudi_attention_forward
+from optimum.habana.transformers.planned_masks import causal_padding_mask
 from optimum.habana.utils.devices import synchronize
 
 
