@@ -90,9 +90,12 @@ FUSED_PATHS = {
     SELECTED_KEYS: "fused, over the keys the indexer selected (the family's own selection, as a mask), never dense",
     POSITION_BIAS: "fused, the bias added to the mask as a float mask",
     SOFTCAP: "default path, one warning: no fused kernel applies tanh to the scores",
-    CHUNKED: "fused; each layer reads its chunked mask",
-    ALTERNATING: "fused; the windowed layers read their window's mask, the full ones run as plain causal attention",
-    WINDOW: "fused; the window through the mask",
+    CHUNKED: "fused; a prompt's chunked layers in chunks stacked in one causal call, no [q, kv] mask (on Gaudi the "
+    "chunked mask)",
+    ALTERNATING: "fused; a prompt's windowed layers in blocks of the window over their own and the previous block (one "
+    "[W, 2W] band mask), the full ones causally over the real tokens: no [q, kv] mask (on Gaudi the window's mask)",
+    WINDOW: "fused; a prompt in blocks of the window over their own and the previous block (one [W, 2W] band mask), "
+    "no [q, kv] mask (on Gaudi the window's mask)",
     HYBRID: "the attention layers fused; linear-attention and state-space layers left to the family, caches as stock's",
     PER_LAYER: "fused; heads and head sizes read per call, never from a global config value",
 }
