@@ -69,6 +69,14 @@ def fused_sdpa(
             dropout_p=dropout_p, softmax_mode=softmax_mode, recompute=recompute,
         )  # fmt: skip
         return output[:, :, dropped_rows:]
+    if value.shape[-1] != query.shape[-1] and query.shape[2] == 1 and not on_hpu(query):
+        # A decode step of latent attention: one row of scores per head, whatever the kernel. PyTorch's own choice
+        # takes the unequal sizes as they are (its math kernel on CPU), where padding the value would copy the
+        # whole value cache at every step.
+        enable_gqa = key.shape[1] != query.shape[1]
+        return F.scaled_dot_product_attention(
+            query, key, value, attn_mask, dropout_p=dropout_p, scale=scale, enable_gqa=enable_gqa
+        )
     if value.shape[-1] != query.shape[-1]:
         return _with_equal_head_sizes(
             query, key, value, attn_mask, is_causal=is_causal, scale=scale, dropout_p=dropout_p,
@@ -121,7 +129,7 @@ def _with_equal_head_sizes(
 ) -> torch.Tensor:
     """Latent attention's value head differs from the query's: pad the narrower side with zeros for the call (the
     scores and the value rows are unchanged) and cut the output back to the value's size. CPU's flash kernel and
-    CUDA's flash kernels take equal sizes only."""
+    CUDA's flash kernels take equal sizes only. A prompt's copy is O(N); decode steps do not pad (above)."""
     width = value.shape[-1]
     if width < query.shape[-1]:
         value = F.pad(value, (0, query.shape[-1] - width))

@@ -1,21 +1,23 @@
 """The models the flash-attention benchmark runs: checkpoints, synthetic presets, stock transformers, and the floor.
 
 A synthetic preset has the attention geometry of a real model (hidden size, heads, key/value heads, head size,
-RoPE base) with random weights, a configurable number of layers and a reduced MLP, so that long sequences fit a
+RoPE base, and the family's variant: windows, sinks, latent attention) with random weights, a configurable number of layers and a reduced MLP, so that long sequences fit a
 small machine while every attention call has the real shape. Its label says so in every table.
 
 The floor is the same model with each attention call replaced by a pass-through of V and no mask at all: what
 the rest of the forward costs, which no attention implementation can go below.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import transformers
 from torch import nn
-from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+from transformers import CONFIG_MAPPING, AttentionInterface, AutoConfig, AutoModelForCausalLM, PreTrainedConfig
 from transformers.masking_utils import AttentionMaskInterface
 
+from optimum.habana.transformers.families.qualification import family_report
 from optimum.habana.transformers.models import gaudi_model_class
 from optimum.habana.utils.model_loading import DEFAULT_MODEL_NAME, resolve_model
 
@@ -29,19 +31,42 @@ PATHS = ("default", "flash", "eager", "sdpa", "floor")
 
 @dataclass(frozen=True)
 class Preset:
-    """Attention geometry of a real model; `source` names it in the label."""
+    """Attention geometry of a real model; `source` names it in the label. Families other than Llama name their
+    model type and the config values that make their variant (windows, sinks, latent attention)."""
 
     source: str
     hidden_size: int
     num_attention_heads: int
     num_key_value_heads: int
     rope_theta: float
+    model_type: str = "llama"
+    head_dim: int | None = None
+    variant: dict = field(default_factory=dict)
 
+
+# A window every second layer, sinks in every layer; four small experts, two a token.
+GPT_OSS_20B = {"sliding_window": 128, "num_local_experts": 4, "num_experts_per_tok": 2}
+# Five windowed layers of 1024 tokens for each full one; its query scaling.
+GEMMA3_4B = {"sliding_window": 1024, "sliding_window_pattern": 6, "query_pre_attn_scalar": 256}
+# Latent attention: keys and values from a 512-wide latent, query/key heads of 128 + 64, value heads of 128.
+DEEPSEEK_V2_LITE = {
+    "kv_lora_rank": 512,
+    "q_lora_rank": None,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+    "n_routed_experts": 4,
+    "num_experts_per_tok": 2,
+    "first_k_dense_replace": 1,
+}
 
 PRESETS = {
     "llama2-7b-attn": Preset("Llama-2-7B", 4096, 32, 32, 10000.0),
     "llama3-8b-attn": Preset("Llama-3-8B", 4096, 32, 8, 500000.0),
     "smollm2-attn": Preset("SmolLM2-135M", 576, 9, 3, 100000.0),
+    "gpt-oss-20b-attn": Preset("gpt-oss-20b", 2880, 64, 8, 150000.0, "gpt_oss", 64, GPT_OSS_20B),
+    "gemma3-4b-attn": Preset("Gemma-3-4B", 2560, 8, 4, 1000000.0, "gemma3_text", 256, GEMMA3_4B),
+    "deepseek-v2-lite-attn": Preset("DeepSeek-V2-Lite", 2048, 16, 16, 10000.0, "deepseek_v2", 64, DEEPSEEK_V2_LITE),
 }
 
 
@@ -74,22 +99,26 @@ class ModelSpec:
         )
 
 
-def preset_config(spec: ModelSpec) -> LlamaConfig:
+def preset_config(spec: ModelSpec) -> PreTrainedConfig:
     preset = PRESETS[spec.name]
-    return LlamaConfig(
+    mlp = spec.preset_intermediate_size
+    experts = {"moe_intermediate_size": mlp} if "n_routed_experts" in preset.variant else {}
+    return CONFIG_MAPPING[preset.model_type](
         vocab_size=PRESET_VOCAB_SIZE,
         hidden_size=preset.hidden_size,
-        intermediate_size=spec.preset_intermediate_size,
+        intermediate_size=mlp,
         num_hidden_layers=spec.preset_layers,
         num_attention_heads=preset.num_attention_heads,
         num_key_value_heads=preset.num_key_value_heads,
-        head_dim=preset.hidden_size // preset.num_attention_heads,
+        head_dim=preset.head_dim or preset.hidden_size // preset.num_attention_heads,
         max_position_embeddings=PRESET_MAX_POSITIONS,
         rope_parameters={"rope_type": "default", "rope_theta": preset.rope_theta},
         tie_word_embeddings=True,
         pad_token_id=0,
         bos_token_id=1,
         eos_token_id=2,
+        **experts,
+        **preset.variant,
     )
 
 
@@ -106,12 +135,13 @@ def build_model(spec: ModelSpec, path: str, dtype: torch.dtype, seed: int) -> nn
     stock_attention = {"eager": "eager", "sdpa": "sdpa", "floor": FLOOR_ATTENTION}.get(path)
     if spec.is_preset:
         config = preset_config(spec)
+        model_type = PRESETS[spec.name].model_type
         torch.manual_seed(seed)
         if stock_attention is None:
-            model = gaudi_model_class("llama")(config)
+            model = gaudi_model_class(model_type)(config)
         else:
             config._attn_implementation = stock_attention
-            model = LlamaForCausalLM(config)
+            model = getattr(transformers, family_report(model_type).class_name)(config)
         return model.to(dtype)
     folder = checkpoint_path(spec.name)
     if stock_attention is None:
