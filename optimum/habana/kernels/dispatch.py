@@ -16,6 +16,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers.utils.import_utils import is_tracing
 
 from ..hpu import HPUKernel, hpu_kernel, on_hpu
+from .decode import query_groups_as_rows
 
 
 SoftmaxMode = Literal["None", "fast"]
@@ -49,10 +50,18 @@ def fused_sdpa(
     `attn_mask` is a boolean (True = attend) or additive mask broadcastable to `[B, H, q, kv]`. With
     `valid_sequence_lengths` (int32 `[B]`, real tokens per row, padding on `padding_side`) the call must be a
     causal prefill without a mask: the kernel skips the padding without a materialised mask.
-    Key and value keep their own head count: the kernels handle grouped-query attention themselves.
+    Key and value keep their own head count: the kernels handle grouped-query attention themselves, except for a
+    decode step (one query position), whose query group is stacked as the rows of its key/value head
+    (`kernels.decode`): the kernels would otherwise read the cache once per query head.
     """
     if valid_sequence_lengths is not None and (attn_mask is not None or not is_causal):
         raise ValueError("valid_sequence_lengths requires is_causal=True and no attn_mask")
+    if query.shape[2] == 1 and not is_causal and query.shape[1] != key.shape[1]:
+        # A decode step: the query group as rows of its key/value head, each cached key and value read once.
+        rows, rows_mask = query_groups_as_rows(query, key.shape[1], attn_mask)
+        options = {"scale": scale, "dropout_p": dropout_p, "softmax_mode": softmax_mode, "recompute": recompute}
+        output = fused_sdpa(rows, key, value, rows_mask, is_causal=False, **options)
+        return output.view(*query.shape[:3], output.shape[-1])
     if on_hpu(query):
         kernel = hpu_kernel()
         if kernel is None:
@@ -88,6 +97,12 @@ def host_reads_allowed(tensor: torch.Tensor) -> bool:
     (torch.compile, CUDA-graph capture, FX or JIT tracing), and never on Gaudi, whose lazy mode and HPU graphs are
     graphs too (a read cuts the graph, and a recorded branch is replayed whatever the data)."""
     return not on_hpu(tensor) and not is_tracing(tensor)
+
+
+def needs_static_shapes(tensor: torch.Tensor) -> bool:
+    """Whether work on `tensor`'s device must keep static shapes: on Gaudi, where lazy mode and HPU graphs build one
+    graph per shape (a KV cache attended over its filled slots would build one per decode step)."""
+    return on_hpu(tensor)
 
 
 def needs_padding_mask(tensor: torch.Tensor, causal_mask_mode: bool) -> bool:
@@ -216,4 +231,11 @@ def _warn_once(message: str) -> None:
 warn_once.cache_clear = _warn_once.cache_clear  # tests reset the "once"
 
 
-__all__ = ["FusedSDPAUnavailable", "fused_sdpa", "host_reads_allowed", "needs_padding_mask", "warn_once"]
+__all__ = [
+    "FusedSDPAUnavailable",
+    "fused_sdpa",
+    "host_reads_allowed",
+    "needs_padding_mask",
+    "needs_static_shapes",
+    "warn_once",
+]

@@ -229,14 +229,17 @@ def matmul_softmax_attention(
     """The default path: `softmax(cap(Q Kᵀ * scale) + mask) V`, with the full score matrix.
 
     `softcap` bounds the logits as `softcap * tanh(logits / softcap)` before the mask, as Gemma 2 trains with.
-    Grouped-query attention views the query as `[B, Hkv, groups, q, D]` so key/value are never repeated.
+    Grouped-query attention stacks each key/value head's query group as rows, `[B, Hkv, groups * q, D]`: one
+    matrix product per key/value head reads its keys and values once, never repeated nor broadcast (a broadcast
+    product copies them once per group).
     """
     batch, heads, q_len, head_dim = query.shape
     kv_heads, kv_len = key.shape[1], key.shape[2]
+    groups = heads // kv_heads
     scaling = head_dim**-0.5 if scaling is None else scaling
-    grouped_query = query.view(batch, kv_heads, heads // kv_heads, q_len, head_dim)
+    grouped_query = query.reshape(batch, kv_heads, groups * q_len, head_dim)
 
-    scores = torch.matmul(grouped_query, key.unsqueeze(2).transpose(-1, -2)) * scaling
+    scores = torch.matmul(grouped_query, key.transpose(-1, -2)).view(batch, kv_heads, groups, q_len, kv_len) * scaling
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
     if attention_mask is None and q_len > 1 and is_causal:
@@ -256,7 +259,7 @@ def matmul_softmax_attention(
     probabilities = nn.functional.dropout(probabilities, p=dropout, training=dropout > 0.0)
     # The weights returned are the tensor the output is computed from: a caller's retain_grad() on them sees grads.
     weights = probabilities.view(batch, heads, q_len, kv_len)
-    output = torch.matmul(weights.view(batch, kv_heads, heads // kv_heads, q_len, kv_len), value.unsqueeze(2))
+    output = torch.matmul(weights.view(batch, kv_heads, groups * q_len, kv_len), value)
     output = output.view(batch, heads, q_len, -1).transpose(1, 2).contiguous()
     return output, weights
 
