@@ -9,10 +9,11 @@ step. What a step gains with the context (step at L minus step at BASE_CONTEXT) 
 read the keys and values once at the read rate a batch-1 linear layer reaches in the same run.
 """
 
+import contextlib
 import ctypes
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -154,20 +155,18 @@ def measure_shape(
     steps: int,
     rounds: int,
     progress: Callable[[str], None] = lambda line: None,
+    control_malloc: bool = False,
 ) -> dict[str, PathTiming]:
-    """Every path's steps at the prefilled length and at BASE_CONTEXT, `rounds` times, in alternating order."""
+    """Every path's steps at the prefilled length and at BASE_CONTEXT, `rounds` times, in alternating order; then,
+    untimed, the memory its steps at the prefilled length need (`step_peak_memory`)."""
     context = kv[0][0].shape[2]
-    device = first_token.device
     timings = {path.name: PathTiming() for path in paths}
     for round_index in range(rounds):
         for path in paths if round_index % 2 == 0 else paths[::-1]:
             progress(f"round {round_index + 1}/{rounds}: {path.name}")
             timing = timings[path.name]
             cache = filled_cache(path, kv, context, steps)
-            reset_peak_memory(device)
-            before = memory_stats(device)["allocated"]
             seconds, tokens = timed_steps(path, cache, first_token, steps)
-            timing.step_peak_bytes = max(timing.step_peak_bytes, memory_stats(device)["max_allocated"] - before)
             timing.long_steps.append(statistics.median(seconds))
             timing.tokens = tokens if timing.tokens is None else timing.tokens
             timing.cache_bytes = cache_bytes(cache)
@@ -175,7 +174,29 @@ def measure_shape(
             base_cache = filled_cache(path, kv, BASE_CONTEXT, steps)
             timing.base_steps.append(statistics.median(timed_steps(path, base_cache, first_token, steps)[0]))
             del base_cache
+    for path in paths:
+        progress(f"memory: {path.name}")
+        timings[path.name].step_peak_bytes = step_peak_memory(path, kv, first_token, steps, control_malloc)
     return timings
+
+
+def step_peak_memory(
+    path: DecodePath,
+    kv: list[tuple[torch.Tensor, torch.Tensor]],
+    first_token: torch.Tensor,
+    steps: int,
+    control_malloc: bool = False,
+) -> int:
+    """The most memory above what its filled cache holds that a path's steps need at once. On CPU, with
+    `control_malloc`, glibc returns freed large blocks to the system meanwhile (`returned_allocations`), so that the
+    resident-memory peak counts what the steps allocate."""
+    device = first_token.device
+    with returned_allocations(control_malloc):
+        cache = filled_cache(path, kv, kv[0][0].shape[2], steps)
+        reset_peak_memory(device)
+        before = memory_stats(device)["allocated"]
+        timed_steps(path, cache, first_token, steps)
+        return max(memory_stats(device)["max_allocated"] - before, 0)
 
 
 @torch.no_grad()
@@ -204,15 +225,33 @@ def linear_read_rate(device: torch.device, dtype: torch.dtype, mib: int = 256, r
     return weight.numel() * weight.element_size() / median_seconds(lambda: vector @ weight.T, device, repeats)
 
 
-def use_mmap_for_large_allocations() -> None:
-    """Make glibc return freed tensors to the system, so that the resident-memory peak of a path's steps counts what
-    they allocate (glibc otherwise keeps large freed blocks for reuse once it has seen one freed)."""
+# glibc's mallopt parameters, and the values its moving mmap threshold settles at (64-bit): large blocks reused.
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+SETTLED_MMAP_THRESHOLD = 32 * MIB
+
+
+def set_malloc_thresholds(mmap_threshold: int) -> bool:
+    """Fix glibc's thresholds (heap blocks above `mmap_threshold` are mapped, and unmapped when freed); False where
+    the C library is not glibc."""
     try:
         libc = ctypes.CDLL("libc.so.6")
     except OSError:
-        return
-    mmap_threshold = -3  # M_MMAP_THRESHOLD; setting it also turns glibc's moving threshold off
-    libc.mallopt(mmap_threshold, 256 * 1024)
+        return False
+    return bool(libc.mallopt(M_MMAP_THRESHOLD, mmap_threshold) and libc.mallopt(M_TRIM_THRESHOLD, 2 * mmap_threshold))
+
+
+@contextlib.contextmanager
+def returned_allocations(control_malloc: bool) -> Iterator[None]:
+    """Within: glibc gives freed blocks above 256 KiB back to the system, so that the resident set follows the
+    tensors alive. After: the thresholds glibc settles at in a long run, under which the timings are taken. Only a
+    process of the benchmark's own controls malloc (`control_malloc`: its thresholds are process-wide)."""
+    if control_malloc:
+        set_malloc_thresholds(256 * 1024)
+    try:
+        yield
+    finally:
+        if control_malloc:
+            set_malloc_thresholds(SETTLED_MMAP_THRESHOLD)
 
 
 __all__ = [
@@ -220,6 +259,7 @@ __all__ = [
     "MIB",
     "PATHS",
     "REFERENCE",
+    "SETTLED_MMAP_THRESHOLD",
     "STEP",
     "DecodePath",
     "PathTiming",
@@ -230,5 +270,5 @@ __all__ = [
     "measure_shape",
     "prefill",
     "profiled_step",
-    "use_mmap_for_large_allocations",
+    "set_malloc_thresholds",
 ]
