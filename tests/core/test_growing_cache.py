@@ -12,7 +12,7 @@ from transformers.cache_utils import DynamicLayer
 from optimum.habana import GaudiLlamaForCausalLM
 from optimum.habana.transformers import growing_cache
 from optimum.habana.transformers.growing_cache import GrowingCache, GrowingLayer, grown_capacity
-from tests.helpers import left_padded_batch, tiny_llama_config
+from tests.helpers import build_pair, left_padded_batch, tiny_llama_config
 
 
 GREEDY = {"do_sample": False, "pad_token_id": 0}
@@ -26,12 +26,7 @@ def small_blocks(monkeypatch):
 
 @pytest.fixture(scope="module")
 def pair() -> tuple[GaudiLlamaForCausalLM, LlamaForCausalLM]:
-    torch.manual_seed(0)
-    config = tiny_llama_config(initializer_range=0.1)
-    ours = GaudiLlamaForCausalLM(config).eval()
-    stock = LlamaForCausalLM(tiny_llama_config(initializer_range=0.1, attn_implementation="eager")).eval()
-    stock.load_state_dict(ours.state_dict())
-    return ours, stock
+    return build_pair("llama")
 
 
 def storage_pointer(cache: GrowingCache) -> int:

@@ -7,8 +7,8 @@ for that copy and once for the attention that reads it. `GrowingLayer` keeps its
 room to spare and writes each new token into the next free slots; the attention gets a view of the filled slots
 only (`keys`/`values`), so a step reads each cached key and value once, in the attention kernel. The storage grows
 when it is full, by at least an eighth of its length and in whole blocks of `GROWTH_BLOCK` tokens (a copy per
-growth, amortised to a constant per token), never past the length generate() will reach: a generation whose
-length is known from the start (prompt + max_new_tokens) allocates once, at its prompt, and never copies.
+growth, amortised to a constant per token), never past the length generate() will reach (prompt + max_new_tokens):
+a generation that ends within one growth step of its prompt allocates once, at its prompt, and never copies.
 
 Memory: what its tokens need plus at most one growth step (an eighth of the length, or one block), and, while one
 layer grows, that layer's old storage. Layers other than full attention (sliding windows, chunked, linear) keep

@@ -51,8 +51,8 @@ class GaudiGenerationMixin:
     ) -> None:
         """The cache transformers would build, replaced by one whose decode steps read its filled slots once.
 
-        - a `DynamicCache` becomes a `GrowingCache`: appended in place (no copy of the whole cache per token), sized
-          from the start for the `max_cache_length` tokens it will hold;
+        - a `DynamicCache` becomes a `GrowingCache`: appended in place (no copy of the whole cache per token), its
+          storage never longer than the `max_cache_length` tokens it will hold;
         - a `StaticCache` becomes a `BucketedStaticCache` over the same storage, attended over its filled slots:
           exactly when the step runs eagerly, in buckets of `STATIC_SHAPES_BUCKET` tokens when generate() compiles
           it (one graph per bucket);
