@@ -71,9 +71,6 @@ class GrowingLayer(DynamicLayer):
         self._set_length(end)
         return self.keys, self.values
 
-    def get_seq_length(self) -> int:
-        return self.length if self.is_initialized else 0
-
     def reset(self) -> None:
         self.key_storage = self.value_storage = None
         self.length = 0
