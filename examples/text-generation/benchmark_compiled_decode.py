@@ -2,11 +2,13 @@
 """Compiled decode with the flag against stock transformers compiled the same way, side by side in one process.
 
     python examples/text-generation/benchmark_compiled_decode.py --batch_sizes 1 8 --max_new_tokens 48
+    python examples/text-generation/benchmark_compiled_decode.py --batch_sizes 1 --max_input_tokens 8192 \
+        --max_new_tokens 256
 
 The embedded SmolLM2-135M (fp32) runs generate() with a static KV cache and transformers' own compile of the decode
 step (the same CompileConfig, fullgraph) twice over the same weights: as this library's class with
 --use_flash_attention, and as stock transformers' class with attn_implementation="sdpa". Batches above 1 are
-left-padded prompts of different lengths. The runs alternate between the two; the table gives each one's median decode
+left-padded prompts of different lengths; with --max_input_tokens every row is that many random tokens instead. The runs alternate between the two; the table gives each one's median decode
 tokens/second (the prompt excluded), the ratio, and at batch 1 the read-bandwidth bound: the measured read bandwidth
 over the bytes a decode step must read (every weight once, and its static cache), and the rate of the weights'
 batch-1 matrix-vector products alone (eager, nothing else of the step). docs/benchmarks.md shows one table.
@@ -38,6 +40,9 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--model_name_or_path", default=None, help="A Llama checkpoint (default: embedded SmolLM2).")
     parser.add_argument("--batch_sizes", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--max_new_tokens", type=int, default=48)
+    parser.add_argument(
+        "--max_input_tokens", type=int, default=None, help="Prompts of this many random tokens (default: built-in)."
+    )
     parser.add_argument("--n_iterations", type=int, default=3, help="Measured runs per model and batch size.")
     parser.add_argument("--backend", default="inductor", help="torch.compile backend (default: inductor).")
     parser.add_argument(
@@ -49,6 +54,8 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
         parser.error(
             f"--max_new_tokens must be at least 2 (a decode step after the first token), got {arguments.max_new_tokens}."
         )
+    if arguments.max_input_tokens is not None and arguments.max_input_tokens < 1:
+        parser.error(f"--max_input_tokens must be at least 1, got {arguments.max_input_tokens}.")
     if arguments.n_iterations < 1:
         parser.error(f"--n_iterations must be at least 1, got {arguments.n_iterations}.")
     if arguments.bandwidth_gib <= 0:
@@ -56,6 +63,12 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
     if min(arguments.batch_sizes) < 1:
         parser.error(f"--batch_sizes must be at least 1, got {min(arguments.batch_sizes)}.")
     return arguments
+
+
+def random_prompts(batch: int, length: int, vocab_size: int) -> dict[str, torch.Tensor]:
+    """`batch` rows of `length` random token ids (fixed seed), no padding."""
+    ids = torch.randint(3, vocab_size, (batch, length), generator=torch.Generator().manual_seed(0))
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -83,9 +96,12 @@ def main(argv: list[str] | None = None) -> int:
         on_out_of_memory=lambda error: f"out of memory ({error}); try smaller --batch_sizes.",
     ):
         for batch in arguments.batch_sizes:
-            inputs = tokenizer(
-                prompts_for_batch(DEFAULT_PROMPTS, batch), return_tensors="pt", padding=True, padding_side="left"
-            )
+            if arguments.max_input_tokens is None:
+                inputs = tokenizer(
+                    prompts_for_batch(DEFAULT_PROMPTS, batch), return_tensors="pt", padding=True, padding_side="left"
+                )
+            else:
+                inputs = random_prompts(batch, arguments.max_input_tokens, tokenizer.vocab_size)
             settings = {
                 "max_new_tokens": arguments.max_new_tokens,
                 "min_new_tokens": arguments.max_new_tokens,

@@ -5,7 +5,8 @@ valid_seq_len only with is_causal and no mask, int32 lengths, k/v with their own
 and computes the reference math on the CPU so that generation through it can be compared with the default path.
 Its `wrap_in_hpu_graph` holds the HPU path to Gaudi's graph contract: a host read while a graph is recorded or
 replayed fails the call (`optimum.habana.utils.graph_capture.HostReads`), and graphs are keyed by input signature as
-Habana's own cache keys them (tensors by shape, other values by hash).
+Habana's own cache keys them (tensors by shape, other values by hash). `CacheAccesses` sees what touches a KV cache's
+storage outside the kernel: a decode step on Gaudi must write it in place and leave the reading to FusedSDPA.
 """
 
 import contextlib
@@ -15,6 +16,8 @@ import types
 from dataclasses import dataclass, field
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from optimum.habana.utils.graph_capture import HostReads
 
@@ -67,6 +70,25 @@ class FakeHabana:
     calls: list[KernelCall] = field(default_factory=list)
     recompute_context: list[bool] = field(default_factory=list)
     graphs: dict = field(default_factory=dict)  # input hash -> replays, of every wrap_in_hpu_graph
+    in_kernel: bool = False  # while FusedSDPA.apply runs
+
+
+class CacheAccesses(TorchDispatchMode):
+    """Counts, by operator, what touches the given storages (a KV cache's) outside the kernel; views, which only
+    describe the storage, do not count. The kernel's own reads are its calls (`FakeHabana.calls`)."""
+
+    def __init__(self, state: FakeHabana, storages: set[int]) -> None:
+        super().__init__()
+        self.state, self.storages = state, storages
+        self.counts: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not self.state.in_kernel and not func.is_view:
+            tensors = [leaf for leaf in tree_leaves((args, kwargs)) if isinstance(leaf, torch.Tensor)]
+            if any(tensor.untyped_storage().data_ptr() in self.storages for tensor in tensors):
+                name = func.overloadpacket._qualified_op_name
+                self.counts[name] = self.counts.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))
 
 
 def input_hash(value) -> int:
@@ -157,17 +179,21 @@ def install(monkeypatch, version: str = "1.18") -> FakeHabana:
             check_contract(query, key, value, arguments)
             context = state.recompute_context[-1] if state.recompute_context else None
             state.calls.append(KernelCall(query, key, value, arguments, len(positional), context))
-            return reference_sdpa(
-                query,
-                key,
-                value,
-                arguments["attn_mask"],
-                arguments["is_causal"],
-                arguments["scale"],
-                arguments.get("valid_seq_len"),
-                arguments.get("seq_padding_type", "left"),
-                arguments.get("sink"),
-            )
+            state.in_kernel = True
+            try:
+                return reference_sdpa(
+                    query,
+                    key,
+                    value,
+                    arguments["attn_mask"],
+                    arguments["is_causal"],
+                    arguments["scale"],
+                    arguments.get("valid_seq_len"),
+                    arguments.get("seq_padding_type", "left"),
+                    arguments.get("sink"),
+                )
+            finally:
+                state.in_kernel = False
 
     # Give forward the version's real parameter names, which is what the library inspects.
     parameters = ", ".join(["ctx", "q", "k", "v", *names])

@@ -12,6 +12,7 @@ from tests.helpers import left_padded_batch, tiny_llama_config
 LAYERS = 2
 NEW_TOKENS = 3
 HEAD_DIM = 16  # hidden 64 over 4 heads
+HEADS, KV_HEADS = 4, 2
 
 
 @pytest.fixture(scope="module")
@@ -45,8 +46,9 @@ def greedy(model, inputs, **kwargs) -> torch.Tensor:
 
 
 def split_phases(calls):
-    prefill = [call for call in calls if call.query.shape[2] > 1]
-    decode = [call for call in calls if call.query.shape[2] == 1]
+    """A decode step stacks each key/value head's query group as its rows: [B, 2 kv heads, 2 groups, D]."""
+    prefill = [call for call in calls if call.query.shape[1] == HEADS]
+    decode = [call for call in calls if call.query.shape[1] == KV_HEADS]
     assert len(prefill) == LAYERS and len(decode) == LAYERS * (NEW_TOKENS - 1)
     return prefill, decode
 
@@ -69,9 +71,15 @@ def test_prefill_and_decode_arguments_without_padding(model, monkeypatch):
         }
         # Grouped-query attention: k/v keep their 2 heads, the kernel handles the 4 query heads.
         assert call.query.shape[1] == 4 and call.key.shape[1] == call.value.shape[1] == 2
-    for call in decode:
-        assert call.arguments["attn_mask"] is None and call.arguments["is_causal"] is False
-        assert call.key.shape[1] == 2
+    for step, call in enumerate(decode):
+        # On Gaudi generate() builds a static cache (shapes stay static): every step attends over its whole bucket
+        # (here the 11 slots of prompt + new tokens), the empty slots masked out.
+        filled = 9 + 1 + step // LAYERS
+        mask = call.arguments["attn_mask"]
+        assert call.arguments["is_causal"] is False and call.key.shape[2] == mask.shape[-1] == 9 + NEW_TOKENS - 1
+        assert (mask[..., :filled] == 0).all() and (mask[..., filled:] == torch.finfo(mask.dtype).min).all()
+        # Each key/value head is read once for its whole query group: the group's queries are its rows.
+        assert call.query.shape[1:3] == (KV_HEADS, HEADS // KV_HEADS) and call.key.shape[1] == KV_HEADS
 
 
 def test_fast_softmax_and_recompute_on_prefill_only(model, monkeypatch):
@@ -86,10 +94,12 @@ def test_fast_softmax_and_recompute_on_prefill_only(model, monkeypatch):
     prefill, decode = split_phases(state.calls)
     for call in prefill:
         assert call.arguments["softmax_mode"] == "fast" and call.arguments["recompute_mode"] is True
-        # Left padding without the causal-mask mode: the padding mask, additive, and no is_causal.
+        # Left padding without the causal-mask mode: the padding mask, additive, and no is_causal; over the static
+        # cache's slots (prompt + new tokens), the empty ones masked.
         mask = call.arguments["attn_mask"]
-        assert call.arguments["is_causal"] is False and mask.shape == (2, 1, 9, 9) and mask.dtype == torch.float32
-        assert mask[1, 0, -1, :4].eq(torch.finfo(torch.float32).min).all() and mask[1, 0, -1, 4:].eq(0).all()
+        assert call.arguments["is_causal"] is False and mask.shape == (2, 1, 9, 11) and mask.dtype == torch.float32
+        assert mask[1, 0, -1, :4].eq(torch.finfo(torch.float32).min).all() and mask[1, 0, -1, 4:9].eq(0).all()
+        assert mask[..., 9:].eq(torch.finfo(torch.float32).min).all()
     for call in decode:
         assert call.arguments["softmax_mode"] == "None" and call.arguments["recompute_mode"] is False
         assert call.arguments["is_causal"] is False and call.arguments["attn_mask"].shape[-2] == 1
@@ -204,3 +214,46 @@ def test_hpu_graphs_record_no_host_read(model, monkeypatch, flags, cache_impleme
     assert torch.equal(tokens, expected)
     if cache_implementation == "static":
         assert sorted(state.graphs.values()) == ([0, NEW_TOKENS - 2] if prompt_in_graph else [NEW_TOKENS - 2])
+
+
+@pytest.mark.parametrize("cache_implementation", [None, "static"], ids=["default cache", "static"])
+def test_a_decode_step_writes_the_cache_in_place_and_only_the_kernel_reads_it(
+    model, monkeypatch, cache_implementation
+):
+    """Gaudi's rules for a decode step, by construction: static shapes (generate()'s default cache there is static),
+    the new token written into the cache's storage in place (two index copies a layer, nothing else touches it),
+    and the cache read once, by FusedSDPA, from views of that storage, each key/value head once for its group."""
+    state = gaudi(monkeypatch)
+    steps = []
+
+    def watch_decode_steps(module, args, kwargs):
+        if kwargs["input_ids"].shape[1] == 1:
+            layers = kwargs["past_key_values"].layers
+            storages = {
+                tensor.untyped_storage().data_ptr() for layer in layers for tensor in (layer.keys, layer.values)
+            }
+            steps.append(fake_habana.CacheAccesses(state, storages))
+            steps[-1].__enter__()
+
+    def stop_watching(module, args, kwargs, output):
+        if steps and kwargs["input_ids"].shape[1] == 1:
+            steps[-1].__exit__(None, None, None)
+
+    hooks = [
+        model.register_forward_pre_hook(watch_decode_steps, with_kwargs=True),
+        model.register_forward_hook(stop_watching, with_kwargs=True),
+    ]
+    try:
+        greedy(model, batch([9, 5]), use_flash_attention=True, cache_implementation=cache_implementation)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    _, decode = split_phases(state.calls)
+    assert len(steps) == NEW_TOKENS - 1
+    assert all(step.storages == steps[0].storages for step in steps)  # the same storage every step: no copy
+    for step in steps:
+        assert step.counts == {"aten::index_copy_": 2 * LAYERS}
+    for call in decode:
+        assert {call.key.untyped_storage().data_ptr(), call.value.untyped_storage().data_ptr()} <= steps[0].storages
+        assert call.key.shape[2] == 9 + NEW_TOKENS - 1  # the same shape every step
+        assert call.query.shape[1:3] == (KV_HEADS, HEADS // KV_HEADS)

@@ -16,6 +16,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers.utils.import_utils import is_tracing
 
 from ..hpu import HPUKernel, hpu_kernel, on_hpu
+from .decode import query_groups_as_rows
 from .sinks import with_sink_key
 
 
@@ -51,9 +52,11 @@ def fused_sdpa(
     `attn_mask` is a boolean (True = attend) or additive mask broadcastable to `[B, H, q, kv]`. With
     `valid_sequence_lengths` (int32 `[B]`, real tokens per row, padding on `padding_side`) the call must be a
     causal prefill without a mask: the kernel skips the padding without a materialised mask.
-    Key and value keep their own head count: the kernels handle grouped-query attention themselves. A value head
-    size other than the query's (latent attention) is padded for the call only. `sinks` (one logit per head, or per
-    head and row) join each row's softmax (`sinks.py`).
+    Key and value keep their own head count: the kernels handle grouped-query attention themselves, except for a
+    decode step (one query position), whose query group is stacked as the rows of its key/value head
+    (`kernels.decode`): the kernels would otherwise read the cache once per query head. A value head size other
+    than the query's (latent attention) is padded for the call only. `sinks` (one logit per head, or per head and
+    row) join each row's softmax (`sinks.py`).
     """
     if valid_sequence_lengths is not None and (attn_mask is not None or not is_causal):
         raise ValueError("valid_sequence_lengths requires is_causal=True and no attn_mask")
@@ -69,6 +72,12 @@ def fused_sdpa(
             dropout_p=dropout_p, softmax_mode=softmax_mode, recompute=recompute,
         )  # fmt: skip
         return output[:, :, dropped_rows:]
+    if query.shape[2] == 1 and not is_causal and query.shape[1] != key.shape[1] and sinks is None:
+        # A decode step: the query group as rows of its key/value head, each cached key and value read once.
+        rows, rows_mask = query_groups_as_rows(query, key.shape[1], attn_mask)
+        options = {"scale": scale, "dropout_p": dropout_p, "softmax_mode": softmax_mode, "recompute": recompute}
+        output = fused_sdpa(rows, key, value, rows_mask, is_causal=False, **options)
+        return output.view(*query.shape[:3], output.shape[-1])
     if value.shape[-1] != query.shape[-1] and query.shape[2] == 1 and not on_hpu(query):
         # A decode step of latent attention: one row of scores per head, whatever the kernel. PyTorch's own choice
         # takes the unequal sizes as they are (its math kernel on CPU), where padding the value would copy the
@@ -143,6 +152,12 @@ def host_reads_allowed(tensor: torch.Tensor) -> bool:
     (torch.compile, CUDA-graph capture, FX or JIT tracing), and never on Gaudi, whose lazy mode and HPU graphs are
     graphs too (a read cuts the graph, and a recorded branch is replayed whatever the data)."""
     return not on_hpu(tensor) and not is_tracing(tensor)
+
+
+def needs_static_shapes(tensor: torch.Tensor) -> bool:
+    """Whether work on `tensor`'s device must keep static shapes: on Gaudi, where lazy mode and HPU graphs build one
+    graph per shape (a KV cache attended over its filled slots would build one per decode step)."""
+    return on_hpu(tensor)
 
 
 def needs_padding_mask(tensor: torch.Tensor, causal_mask_mode: bool) -> bool:
@@ -277,4 +292,11 @@ def _warn_once(message: str) -> None:
 warn_once.cache_clear = _warn_once.cache_clear  # tests reset the "once"
 
 
-__all__ = ["FusedSDPAUnavailable", "fused_sdpa", "host_reads_allowed", "needs_padding_mask", "warn_once"]
+__all__ = [
+    "FusedSDPAUnavailable",
+    "fused_sdpa",
+    "host_reads_allowed",
+    "needs_padding_mask",
+    "needs_static_shapes",
+    "warn_once",
+]

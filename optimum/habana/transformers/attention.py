@@ -270,21 +270,24 @@ def matmul_softmax_attention(
 
     `softcap` bounds the logits as `softcap * tanh(logits / softcap)` before the mask, as Gemma 2 trains with.
     `sinks` join each row's softmax as a last column that is then dropped (the weights returned leave them out).
-    Grouped-query attention views the query as `[B, Hkv, groups, q, D]` so key/value are never repeated.
+    Grouped-query attention stacks each key/value head's query group as rows, `[B, Hkv, groups * q, D]`: one
+    matrix product per key/value head reads its keys and values once, never repeated nor broadcast (a broadcast
+    product copies them once per group).
     """
     batch, heads, q_len, head_dim = query.shape
     kv_heads, kv_len = key.shape[1], key.shape[2]
+    groups = heads // kv_heads
     scaling = head_dim**-0.5 if scaling is None else scaling
-    grouped_query = query.view(batch, kv_heads, heads // kv_heads, q_len, head_dim)
+    grouped_query = query.reshape(batch, kv_heads, groups * q_len, head_dim)
 
-    scores = torch.matmul(grouped_query, key.unsqueeze(2).transpose(-1, -2)) * scaling
+    scores = torch.matmul(grouped_query, key.transpose(-1, -2)).view(batch, kv_heads, groups, q_len, kv_len) * scaling
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
     if attention_mask is None and q_len > 1 and is_causal:
         attention_mask = torch.ones(q_len, kv_len, dtype=torch.bool, device=query.device).tril()
     if attention_mask is not None:
         if attention_mask.dim() == 4 and attention_mask.shape[1] == heads > 1:  # one mask per head: group them
-            attention_mask = attention_mask.unflatten(1, (kv_heads, heads // kv_heads))
+            attention_mask = attention_mask.unflatten(1, (kv_heads, groups))
         elif attention_mask.dim() == 4:
             attention_mask = attention_mask.unsqueeze(2)  # [B, 1, q, kv] -> broadcast over the groups
         if attention_mask.dtype == torch.bool:
@@ -303,7 +306,7 @@ def matmul_softmax_attention(
     probabilities = nn.functional.dropout(probabilities, p=dropout, training=dropout > 0.0)
     # The weights returned are the tensor the output is computed from: a caller's retain_grad() on them sees grads.
     weights = probabilities.view(batch, heads, q_len, kv_len)
-    output = torch.matmul(weights.view(batch, kv_heads, heads // kv_heads, q_len, kv_len), value.unsqueeze(2))
+    output = torch.matmul(weights.view(batch, kv_heads, groups * q_len, kv_len), value)
     output = output.view(batch, heads, q_len, -1).transpose(1, 2).contiguous()
     return output, weights
 

@@ -1,11 +1,19 @@
-"""The bridge that carries the attention flags from generate() to the model's forward, on every step."""
+"""The bridge that carries the attention flags from generate() to the model's forward, on every step, and the
+KV cache generate() builds when the caller gives none."""
 
 import copy
 from typing import Any
 
-from transformers import GenerationConfig
+from transformers import DynamicCache, GenerationConfig, StaticCache
 
+from ...kernels.dispatch import needs_static_shapes
 from ..attention_flags import ATTENTION_FLAG_NAMES, attention_flags_of, resolve_attention_flags
+from ..cache import BucketedStaticCache
+from ..growing_cache import GrowingCache
+
+
+# Tokens per bucket of a static cache whose shapes must stay static (compiled decode steps, Gaudi): one graph each.
+STATIC_SHAPES_BUCKET = 256
 
 
 class GaudiGenerationMixin:
@@ -32,3 +40,47 @@ class GaudiGenerationMixin:
         for name, value in flags.items():
             setattr(generation_config, name, value)
         return generation_config, {**model_kwargs, **flags}
+
+    def _prepare_cache_for_generation(
+        self,
+        generation_config: GenerationConfig,
+        model_kwargs: dict[str, Any],
+        generation_mode: Any,
+        batch_size: int,
+        max_cache_length: int,
+    ) -> None:
+        """The cache transformers would build, replaced by one whose decode steps read its filled slots once.
+
+        - a `DynamicCache` becomes a `GrowingCache`: appended in place (no copy of the whole cache per token), its
+          storage never longer than the `max_cache_length` tokens it will hold;
+        - a `StaticCache` becomes a `BucketedStaticCache` over the same storage, attended over its filled slots:
+          exactly when the step runs eagerly, in buckets of `STATIC_SHAPES_BUCKET` tokens when generate() compiles
+          it (one graph per bucket);
+        - on Gaudi, where shapes must stay static (lazy mode, HPU graphs), the default cache is that bucketed one.
+        A cache the caller passed, an offloaded one, or a chunked prefill's is left as it is.
+        """
+        super()._prepare_cache_for_generation(
+            generation_config, model_kwargs, generation_mode, batch_size, max_cache_length
+        )
+        stock = model_kwargs.get("past_key_values")
+        if (
+            type(stock) not in (DynamicCache, StaticCache)
+            or getattr(stock, "_is_user_defined", False)
+            or stock.offloading
+            or generation_config.prefill_chunk_size is not None
+        ):
+            return
+        config = self.config.get_text_config(decoder=True)
+        static_shapes = needs_static_shapes(next(self.parameters()))
+        if type(stock) is DynamicCache and not static_shapes:
+            cache = GrowingCache(config, max_cache_length)
+        else:
+            max_cache_len = stock.get_max_length() if type(stock) is StaticCache else max_cache_length
+            compiled = type(stock) is StaticCache and self._valid_auto_compile_criteria(
+                model_kwargs, generation_config
+            )
+            bucket_size = STATIC_SHAPES_BUCKET if static_shapes or compiled else 1
+            cache = BucketedStaticCache(config, max_cache_len, bucket_size, preallocate=True)
+        if generation_config.is_assistant:
+            cache.activate_past_recording()
+        model_kwargs["past_key_values"] = cache

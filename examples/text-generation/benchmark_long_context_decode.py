@@ -1,0 +1,186 @@
+#!/usr/bin/env python
+"""Decode steps at long context: the flag, the default path and stock transformers side by side in one process.
+
+    python examples/text-generation/benchmark_long_context_decode.py --shapes 1x8192 4x2048 8x512
+    python examples/text-generation/benchmark_long_context_decode.py --model_name_or_path llama3-8b-attn \
+        --preset_layers 4 --shapes 1x16384 1x32768
+
+For each batch x context, one prompt is prefilled once and every path decodes from a copy of its cache, with the
+cache its generate() builds by default (this library: `GrowingCache`; stock: `DynamicCache`): `--steps` greedy steps
+at the context and at 64 tokens, `--rounds` rounds in alternating order, medians. The table gives each path's step,
+its ratio to stock (flag / stock sdpa, default / stock eager), its context cost (step at the context minus step at
+64 tokens) against the time to read the keys and values once at the read rate a batch-1 linear layer reaches in the
+same run, the bound (weights and cache read once), the memory its cache holds against what its tokens need, the
+most memory its steps needed above that, and whether its tokens equal the default path's. docs/benchmarks.md shows
+the measured tables.
+"""
+
+import argparse
+import functools
+import sys
+
+import torch
+from tabulate import tabulate
+
+from optimum.habana.cli.benchmarks.long_context_decode import (
+    BASE_CONTEXT,
+    MIB,
+    PATHS,
+    REFERENCE,
+    SETTLED_MMAP_THRESHOLD,
+    STEP,
+    decode_paths,
+    kv_bytes_per_token,
+    linear_read_rate,
+    measure_shape,
+    prefill,
+    profiled_step,
+    set_malloc_thresholds,
+)
+from optimum.habana.cli.benchmarks.models import PRESETS, ModelSpec
+from optimum.habana.cli.common import exit_on_interrupt_or_oom
+from optimum.habana.utils.devices import model_size_bytes
+from optimum.habana.utils.model_loading import DEFAULT_MODEL_NAME
+
+
+def shape(text: str) -> tuple[int, int]:
+    batch, _, context = text.partition("x")
+    if not (batch.isdigit() and context.isdigit()) or int(batch) < 1 or int(context) <= BASE_CONTEXT:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not BATCHxCONTEXT with a batch of at least 1 and a context above {BASE_CONTEXT} tokens"
+        )
+    return int(batch), int(context)
+
+
+def say(*words: str) -> None:
+    print(*words, file=sys.stderr, flush=True)
+
+
+def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--model_name_or_path",
+        default=DEFAULT_MODEL_NAME,
+        help=f"A Llama checkpoint, or a synthetic preset: {', '.join(PRESETS)} (default: embedded SmolLM2).",
+    )
+    parser.add_argument("--preset_layers", type=int, default=4, help="Layers of a synthetic preset (default 4).")
+    parser.add_argument("--preset_intermediate_size", type=int, default=2048, help="MLP size of a synthetic preset.")
+    parser.add_argument("--shapes", type=shape, nargs="+", default=[(1, 8192), (4, 2048), (8, 512)])
+    parser.add_argument("--steps", type=int, default=12, help="Decode steps per path, context and round.")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--random_cache",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="Fill the cache with random keys and values instead of prefilling a prompt (default: for presets).",
+    )
+    parser.add_argument(
+        "--profile",
+        nargs="+",
+        default=[],
+        choices=PATHS,
+        help="After the table: where these paths' steps spend their time, per operator (torch.profiler), at the "
+        "first shape's context and at 64 tokens.",
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=None, help="Torch threads (default: torch's).")
+    arguments = parser.parse_args(argv)
+    for name in ("steps", "rounds", "preset_layers", "preset_intermediate_size"):
+        if getattr(arguments, name) < 1:
+            parser.error(f"--{name} must be at least 1, got {getattr(arguments, name)}.")
+    if arguments.random_cache is None:
+        arguments.random_cache = arguments.model_name_or_path in PRESETS
+    return arguments
+
+
+def main(argv: list[str] | None = None, control_malloc: bool = False) -> int:
+    arguments = parse_arguments(argv)
+    if arguments.threads:
+        torch.set_num_threads(arguments.threads)
+    spec = ModelSpec(arguments.model_name_or_path, arguments.preset_layers, arguments.preset_intermediate_size)
+    dtype, device = torch.float32, torch.device("cpu")
+    paths = decode_paths(spec, dtype, arguments.seed)
+    config = paths[0].model.config
+    per_token = kv_bytes_per_token(config, dtype)
+    weights = model_size_bytes(paths[0].model)
+    read_rate = linear_read_rate(device, dtype)
+    print(
+        f"{spec.label}, fp32, {torch.get_num_threads()} threads; read rate of a batch-1 linear layer: "
+        f"{read_rate / 1e9:.1f} GB/s; weights {weights / MIB:.0f} MiB; keys and values {per_token:,} bytes a token; "
+        f"cache {'random' if arguments.random_cache else 'prefilled'}"
+    )
+    rows = []
+    with exit_on_interrupt_or_oom(
+        "benchmark_long_context_decode.py",
+        on_interrupt=lambda: "no table was written (it is printed once every shape is measured).",
+        on_out_of_memory=lambda error: f"out of memory ({error}); try smaller --shapes.",
+    ):
+        for batch, context in arguments.shapes:
+            say(f"{batch} x {context}: prefilling...")
+            kv, first_token = prefill(paths[0].model, batch, context, arguments.seed, arguments.random_cache)
+            timings = measure_shape(
+                paths,
+                kv,
+                first_token,
+                arguments.steps,
+                arguments.rounds,
+                progress=functools.partial(say, f"{batch} x {context}:"),
+                control_malloc=control_malloc,
+            )
+            del kv
+            kv_read = batch * context * per_token / read_rate
+            bound = batch * read_rate / (weights + batch * context * per_token)
+            for path in paths:
+                timing = timings[path.name]
+                reference = timings.get(REFERENCE.get(path.name, ""))
+                needed = batch * (context + arguments.steps) * per_token
+                rows.append(
+                    {
+                        "batch x context": f"{batch} x {context}",
+                        "path": path.name,
+                        "step [ms]": f"{timing.long_step * 1e3:.1f}",
+                        "tok/s": f"{batch / timing.long_step:.1f}",
+                        "vs stock": f"{reference.long_step / timing.long_step:.2f}" if reference else "-",
+                        "context cost [ms]": f"{timing.context_cost * 1e3:.1f}",
+                        "KV read once [ms]": f"{kv_read * 1e3:.1f}",
+                        "cost / KV read": f"{timing.context_cost / kv_read:.2f}",
+                        "bound tok/s": f"{bound:.1f}",
+                        "cache held / needed [MiB]": f"{timing.cache_bytes / MIB:.0f} / {needed / MIB:.0f}",
+                        "step peak [MiB]": f"{timing.step_peak_bytes / MIB:.0f}",
+                        "tokens": "same" if torch.equal(timing.tokens, timings["default"].tokens) else "differ",
+                    }
+                )
+    print(tabulate(rows, headers="keys", tablefmt="github", disable_numparse=True))
+    if arguments.profile:
+        print_profiles(paths, arguments)
+    return 0
+
+
+OUTSIDE = "outside any operator (Python)"
+
+
+def print_profiles(paths: list, arguments: argparse.Namespace, operators: int = 12) -> None:
+    """Per operator, milliseconds of a step at the first shape's context and at BASE_CONTEXT tokens."""
+    batch, context = arguments.shapes[0]
+    kv, first_token = prefill(paths[0].model, batch, context, arguments.seed, random_cache=True)
+    for path in (path for path in paths if path.name in arguments.profile):
+        long = profiled_step(path, kv, first_token, context, arguments.steps)
+        base = profiled_step(path, kv, first_token, BASE_CONTEXT, arguments.steps)
+        for profile in (long, base):
+            profile[OUTSIDE] = profile[STEP] - sum(value for name, value in profile.items() if name != STEP)
+        names = [name for name in sorted(long, key=lambda name: -long[name]) if name not in (STEP, OUTSIDE)]
+        rows = [
+            {
+                "operator": name,
+                f"ms at {context}": f"{long[name] * 1e3:.2f}",
+                f"ms at {BASE_CONTEXT}": f"{base.get(name, 0.0) * 1e3:.2f}",
+            }
+            for name in [*names[:operators], OUTSIDE, STEP]
+        ]
+        print(f"\n{path.name}, {batch} x {context} (random cache), per step under torch.profiler:")
+        print(tabulate(rows, headers="keys", tablefmt="github", disable_numparse=True))
+
+
+if __name__ == "__main__":
+    # This process's own malloc: timed under the thresholds glibc settles at, its memory measured apart.
+    sys.exit(main(control_malloc=set_malloc_thresholds(SETTLED_MMAP_THRESHOLD)))

@@ -1,0 +1,274 @@
+"""benchmark_long_context_decode.py's measurements: decode steps at a long context, the paths side by side in one
+process, each from a copy of the same prefilled cache.
+
+A path is a model and the cache its generate() builds by default: this library's class with and without
+`use_flash_attention` (a `GrowingCache`), stock transformers with SDPA and eager attention (a `DynamicCache`). A
+round times every path's decode steps at the long context, then at `BASE_CONTEXT` tokens (the first tokens of the
+same cache); rounds alternate the paths' order, and the table takes the median over rounds of each round's median
+step. What a step gains with the context (step at L minus step at BASE_CONTEXT) is compared with the time it takes to
+read the keys and values once at the read rate a batch-1 linear layer reaches in the same run.
+"""
+
+import contextlib
+import ctypes
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import Cache
+
+from optimum.habana.cli.benchmarks.compiled_decode import median_seconds
+from optimum.habana.cli.benchmarks.models import ModelSpec, build_model
+from optimum.habana.transformers.growing_cache import GrowingCache
+from optimum.habana.utils.devices import memory_stats, reset_peak_memory, synchronize
+
+
+BASE_CONTEXT = 64  # tokens: the context whose step time the context cost is measured from
+PATHS = ("flag", "default", "stock sdpa", "stock eager")
+# Each path's whole step is compared with this one's, same shape, same run.
+REFERENCE = {"flag": "stock sdpa", "default": "stock eager"}
+MIB = 1024**2
+STEP = "the whole step (wall clock)"
+
+
+@dataclass(frozen=True)
+class DecodePath:
+    name: str
+    model: torch.nn.Module
+    forward_kwargs: dict[str, Any]
+    growing_cache: bool  # the cache a Gaudi model's generate() builds, or stock's DynamicCache
+
+
+@dataclass
+class PathTiming:
+    """One path at one shape: the median step per round, at the long context and at BASE_CONTEXT."""
+
+    long_steps: list[float] = field(default_factory=list)
+    base_steps: list[float] = field(default_factory=list)
+    tokens: torch.Tensor | None = None  # the greedy tokens of its steps at the long context (first round)
+    cache_bytes: int = 0  # what its cache holds at the long context after the steps
+    step_peak_bytes: int = 0  # the most memory above the start that its steps at the long context needed at once
+
+    @property
+    def long_step(self) -> float:
+        return statistics.median(self.long_steps)
+
+    @property
+    def context_cost(self) -> float:
+        return self.long_step - statistics.median(self.base_steps)
+
+
+def decode_paths(spec: ModelSpec, dtype: torch.dtype, seed: int) -> list[DecodePath]:
+    """The four paths over one set of weights (the stock models share the Gaudi model's tensors)."""
+    ours = build_model(spec, "flash", dtype, seed).eval()
+    stock = {}
+    for attention in ("sdpa", "eager"):
+        model = build_model(spec, attention, dtype, seed).eval()
+        model.load_state_dict(ours.state_dict(), assign=True)
+        stock[attention] = model
+    return [
+        DecodePath("flag", ours, {"use_flash_attention": True}, growing_cache=True),
+        DecodePath("default", ours, {"use_flash_attention": False}, growing_cache=True),
+        DecodePath("stock sdpa", stock["sdpa"], {}, growing_cache=False),
+        DecodePath("stock eager", stock["eager"], {}, growing_cache=False),
+    ]
+
+
+def kv_bytes_per_token(config: Any, dtype: torch.dtype) -> int:
+    """Bytes of keys and values one token adds to the cache of one sequence (SmolLM2 fp32: 46,080)."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    element = torch.empty((), dtype=dtype).element_size()
+    return 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * element
+
+
+@torch.no_grad()
+def prefill(
+    model: torch.nn.Module, batch: int, context: int, seed: int, random_cache: bool
+) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
+    """Each layer's keys and values after a prompt of `context` random tokens, and the first greedy token.
+
+    With `random_cache` the keys and values are random numbers of the right shapes instead (a synthetic model's
+    weights are random too): a prompt of 32k tokens takes the CPU longer than every decode step of the table.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    device = next(model.parameters()).device
+    config = model.config
+    ids = torch.randint(3, config.vocab_size, (batch, context), generator=generator).to(device)
+    if not random_cache:
+        output = model(input_ids=ids, use_cache=True, logits_to_keep=1, use_flash_attention=True)
+        layers = output.past_key_values.layers
+        return [(layer.keys, layer.values) for layer in layers], output.logits[:, -1:].argmax(-1)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    shape = (batch, config.num_key_value_heads, context, head_dim)
+    dtype = next(model.parameters()).dtype
+    layers = [
+        tuple(torch.randn(shape, generator=generator, dtype=dtype).to(device) for _ in range(2))
+        for _ in range(config.num_hidden_layers)
+    ]
+    return layers, ids[:, -1:]
+
+
+def filled_cache(path: DecodePath, kv: list[tuple[torch.Tensor, torch.Tensor]], length: int, steps: int) -> Cache:
+    """A copy of the first `length` tokens of the prefilled cache, as the path's generate() would hold them after
+    its prompt (a generation of `steps` more tokens)."""
+    config = path.model.config
+    cache = GrowingCache(config, length + steps) if path.growing_cache else DynamicCache(config=config)
+    for index, (keys, values) in enumerate(kv):
+        cache.update(keys[:, :, :length].contiguous(), values[:, :, :length].contiguous(), index)
+    return cache
+
+
+def cache_bytes(cache: Cache) -> int:
+    """Bytes the cache holds: its tensors' whole storage, room to spare included."""
+    tensors = [tensor for layer in cache.layers for tensor in (layer.keys, layer.values) if tensor is not None]
+    return sum(tensor.untyped_storage().nbytes() for tensor in tensors)
+
+
+@torch.no_grad()
+def timed_steps(
+    path: DecodePath, cache: Cache, first_token: torch.Tensor, steps: int
+) -> tuple[list[float], torch.Tensor]:
+    """`steps` greedy decode steps: each one's seconds, and the tokens."""
+    device = first_token.device
+    token, tokens, seconds = first_token, [], []
+    for _ in range(steps):
+        synchronize(device)
+        start = time.perf_counter()
+        output = path.model(
+            input_ids=token, past_key_values=cache, use_cache=True, logits_to_keep=1, **path.forward_kwargs
+        )
+        token = output.logits[:, -1:].argmax(-1)
+        synchronize(device)
+        seconds.append(time.perf_counter() - start)
+        tokens.append(token)
+    return seconds, torch.cat(tokens, dim=-1)
+
+
+def measure_shape(
+    paths: list[DecodePath],
+    kv: list[tuple[torch.Tensor, torch.Tensor]],
+    first_token: torch.Tensor,
+    steps: int,
+    rounds: int,
+    progress: Callable[[str], None] = lambda line: None,
+    control_malloc: bool = False,
+) -> dict[str, PathTiming]:
+    """Every path's steps at the prefilled length and at BASE_CONTEXT, `rounds` times, in alternating order; then,
+    untimed, the memory its steps at the prefilled length need (`step_peak_memory`)."""
+    context = kv[0][0].shape[2]
+    timings = {path.name: PathTiming() for path in paths}
+    for round_index in range(rounds):
+        for path in paths if round_index % 2 == 0 else paths[::-1]:
+            progress(f"round {round_index + 1}/{rounds}: {path.name}")
+            timing = timings[path.name]
+            cache = filled_cache(path, kv, context, steps)
+            seconds, tokens = timed_steps(path, cache, first_token, steps)
+            timing.long_steps.append(statistics.median(seconds))
+            timing.tokens = tokens if timing.tokens is None else timing.tokens
+            timing.cache_bytes = cache_bytes(cache)
+            del cache
+            base_cache = filled_cache(path, kv, BASE_CONTEXT, steps)
+            timing.base_steps.append(statistics.median(timed_steps(path, base_cache, first_token, steps)[0]))
+            del base_cache
+    for path in paths:
+        progress(f"memory: {path.name}")
+        timings[path.name].step_peak_bytes = step_peak_memory(path, kv, first_token, steps, control_malloc)
+    return timings
+
+
+def step_peak_memory(
+    path: DecodePath,
+    kv: list[tuple[torch.Tensor, torch.Tensor]],
+    first_token: torch.Tensor,
+    steps: int,
+    control_malloc: bool = False,
+) -> int:
+    """The most memory above what its filled cache holds that a path's steps need at once. On CPU, with
+    `control_malloc`, glibc returns freed large blocks to the system meanwhile (`returned_allocations`), so that the
+    resident-memory peak counts what the steps allocate."""
+    device = first_token.device
+    with returned_allocations(control_malloc):
+        cache = filled_cache(path, kv, kv[0][0].shape[2], steps)
+        reset_peak_memory(device)
+        before = memory_stats(device)["allocated"]
+        timed_steps(path, cache, first_token, steps)
+        return max(memory_stats(device)["max_allocated"] - before, 0)
+
+
+@torch.no_grad()
+def profiled_step(
+    path: DecodePath, kv: list[tuple[torch.Tensor, torch.Tensor]], first_token: torch.Tensor, length: int, steps: int
+) -> dict[str, float]:
+    """Seconds per decode step by operator (self time, torch.profiler) at a context of `length` tokens, and the
+    step's wall-clock time under the profiler (`STEP`): what no operator accounts for is Python."""
+    from torch.profiler import ProfilerActivity, profile
+
+    timed_steps(path, filled_cache(path, kv, length, steps), first_token, 2)  # warm
+    cache = filled_cache(path, kv, length, steps)
+    with profile(activities=[ProfilerActivity.CPU]) as profiler:
+        seconds, _ = timed_steps(path, cache, first_token, steps)
+    operators = {event.key: event.self_cpu_time_total / 1e6 / steps for event in profiler.key_averages()}
+    return {**operators, STEP: sum(seconds) / steps}
+
+
+def linear_read_rate(device: torch.device, dtype: torch.dtype, mib: int = 256, repeats: int = 9) -> float:
+    """Bytes per second a batch-1 linear layer reads its weight at (a weight far larger than the caches): the rate
+    a decode step's weights and, at best, its keys and values are read at."""
+    columns = 4096
+    weight = torch.randn(mib * MIB // (columns * torch.empty((), dtype=dtype).element_size()), columns, dtype=dtype)
+    weight = weight.to(device)
+    vector = torch.randn(1, columns, dtype=dtype, device=device)
+    return weight.numel() * weight.element_size() / median_seconds(lambda: vector @ weight.T, device, repeats)
+
+
+# glibc's mallopt parameters, and the values its moving mmap threshold settles at (64-bit): large blocks reused.
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+SETTLED_MMAP_THRESHOLD = 32 * MIB
+
+
+def set_malloc_thresholds(mmap_threshold: int) -> bool:
+    """Fix glibc's thresholds (heap blocks above `mmap_threshold` are mapped, and unmapped when freed); False where
+    the C library is not glibc."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return False
+    return bool(libc.mallopt(M_MMAP_THRESHOLD, mmap_threshold) and libc.mallopt(M_TRIM_THRESHOLD, 2 * mmap_threshold))
+
+
+@contextlib.contextmanager
+def returned_allocations(control_malloc: bool) -> Iterator[None]:
+    """Within: glibc gives freed blocks above 256 KiB back to the system, so that the resident set follows the
+    tensors alive. After: the thresholds glibc settles at in a long run, under which the timings are taken. Only a
+    process of the benchmark's own controls malloc (`control_malloc`: its thresholds are process-wide)."""
+    if control_malloc:
+        set_malloc_thresholds(256 * 1024)
+    try:
+        yield
+    finally:
+        if control_malloc:
+            set_malloc_thresholds(SETTLED_MMAP_THRESHOLD)
+
+
+__all__ = [
+    "BASE_CONTEXT",
+    "MIB",
+    "PATHS",
+    "REFERENCE",
+    "SETTLED_MMAP_THRESHOLD",
+    "STEP",
+    "DecodePath",
+    "PathTiming",
+    "cache_bytes",
+    "decode_paths",
+    "kv_bytes_per_token",
+    "linear_read_rate",
+    "measure_shape",
+    "prefill",
+    "profiled_step",
+    "set_malloc_thresholds",
+]

@@ -1,0 +1,42 @@
+"""benchmark_long_context_decode.py: the paths side by side from one prefilled cache, shrunk to a one-layer synthetic
+model and short contexts (the table's columns and the paths' tokens, not its timings, are what a test can check)."""
+
+import pytest
+
+from tests.helpers import load_script
+
+
+SCRIPT = "examples/text-generation/benchmark_long_context_decode.py"
+SMALL = ["--model_name_or_path", "smollm2-attn", "--preset_layers", "1", "--preset_intermediate_size", "64"]
+
+
+def table_rows(out: str) -> list[list[str]]:
+    lines = [line for line in out.splitlines() if line.startswith("| ")]
+    return [[cell.strip() for cell in line.strip("|").split("|")] for line in lines]
+
+
+def test_every_path_decodes_the_same_tokens_from_the_same_cache(capsys):
+    script = load_script(SCRIPT)
+    argv = [*SMALL, "--shapes", "1x96", "2x80", "--steps", "2", "--rounds", "1", "--no-random_cache"]
+    assert script.main([*argv, "--profile", "flag"]) == 0
+    out = capsys.readouterr().out
+    assert "read rate of a batch-1 linear layer" in out and "cache prefilled" in out
+    header, *rows = table_rows(out)
+    assert header[:3] == ["batch x context", "path", "step [ms]"]
+    for column in ("vs stock", "context cost [ms]", "KV read once [ms]", "cost / KV read", "bound tok/s"):
+        assert column in header
+    assert "cache held / needed [MiB]" in header and "step peak [MiB]" in header
+    measured = [row for row in rows if row[0] in ("1 x 96", "2 x 80")]
+    assert [row[1] for row in measured] == ["flag", "default", "stock sdpa", "stock eager"] * 2
+    assert all(row[-1] == "same" for row in measured)  # greedy tokens equal to the default path's, every path
+    stock_columns = {row[1]: row[header.index("vs stock")] for row in measured}
+    assert stock_columns["stock sdpa"] == "-" and stock_columns["flag"] != "-"
+    assert "flag, 1 x 96 (random cache), per step under torch.profiler:" in out
+    assert "the whole step (wall clock)" in out and "outside any operator (Python)" in out
+
+
+@pytest.mark.parametrize("argv", [["--shapes", "1x32"], ["--shapes", "0x512"], ["--steps", "0"], ["--profile", "x"]])
+def test_bad_arguments_are_usage_errors(argv):
+    with pytest.raises(SystemExit) as exit_info:
+        load_script(SCRIPT).main(argv)
+    assert exit_info.value.code == 2
