@@ -162,10 +162,11 @@ def floor_attention(
 
     One copy, the `[B, q, H, D]` output every attention function returns; nothing else is allocated.
     """
-    batch, heads, q_len, head_dim = query.shape
-    own = value[:, :, -q_len:].transpose(1, 2).unsqueeze(3)  # [B, q, Hkv, 1, D], a view
+    batch, heads, q_len = query.shape[:3]
+    value_dim = value.shape[-1]  # latent attention's value head differs from the query's
+    own = value[:, :, -q_len:].transpose(1, 2).unsqueeze(3)  # [B, q, Hkv, 1, Dv], a view
     groups = heads // value.shape[1]
-    return own.expand(batch, q_len, value.shape[1], groups, head_dim).reshape(batch, q_len, heads, head_dim), None
+    return own.expand(batch, q_len, value.shape[1], groups, value_dim).reshape(batch, q_len, heads, value_dim), None
 
 
 def no_mask(*args: Any, **kwargs: Any) -> None:
