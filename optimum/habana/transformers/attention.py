@@ -109,6 +109,7 @@ def gaudi_attention_forward(
         attention_mask = scored_mask(attention_mask, query, key, is_causal, position_bias, selected_keys)
         padded_prompt = segments = None
     window, chunk = local_extent(module, sliding_window, query.shape[2])
+    padding_queries = None  # a planned prompt's padding rows, zero on the fused path whichever way it runs
     if padded_prompt is not None and (window or chunk):
         if not is_real_keys_only(attention_mask):  # transformers' own mask reached the layer: it keeps the window
             if flags.use_flash_attention and flags.flash_attention_causal_mask:
@@ -120,6 +121,7 @@ def gaudi_attention_forward(
             padded_prompt = None
         elif padded_prompt.side == "any":  # padding in the middle: the window counts it, as transformers does
             attention_mask = prompt_mask(padded_prompt, key.shape[2], window, chunk)
+            padding_queries = ~padded_prompt.real[:, None, :, None]
             padded_prompt = None
     if flags.use_flash_attention:
         for name in DEFAULT_PATH_FLAGS:
@@ -135,6 +137,8 @@ def gaudi_attention_forward(
                     module, query, key, value, attention_mask, scaling, dropout, flags, sliding_window, is_causal,
                     padded_prompt, segments, sinks, (window, chunk),
                 )  # fmt: skip
+                if padding_queries is not None:
+                    output = output.masked_fill(padding_queries, 0.0)
                 return output.transpose(1, 2).contiguous(), None
             except FusedSDPAUnavailable as error:
                 reason = str(error)
