@@ -159,7 +159,7 @@ def bad_setup(tmp_path: Path, checkpoint: Path) -> dict[str, tuple[list[str], st
         "mistyped preset": (
             ["--model_name_or_path", "llama2-13b-attn"],
             "'llama2-13b-attn' is not a preset: did you mean 'llama2-7b-attn'? The presets are llama2-7b-attn, "
-            "llama3-8b-attn, smollm2-attn.",
+            "llama3-8b-attn, smollm2-attn, gpt-oss-20b-attn, gemma3-4b-attn, deepseek-v2-lite-attn.",
         ),
         "truncated weights": (["--model_name_or_path", str(truncated)], "model.safetensors is damaged or truncated"),
     }
