@@ -4,6 +4,7 @@
 processes of their own, which must not compete with two threads of this one on a 2-core machine.
 """
 
+import gc
 import os
 
 import pytest
@@ -21,3 +22,10 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Move what collection built (thousands of test items, transformers' test modules) out of the garbage
+    collector's view: transformers' continuous-batching manager runs a full `gc.collect()` twice per stop, and
+    the collector's time grows with every object alive in the process, not with what the test made."""
+    gc.freeze()
