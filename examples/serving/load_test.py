@@ -114,6 +114,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+PORT_ATTEMPTS = 3  # a free port is probed, then bound by the server: another process can take it in between
 FILES_BESIDES_CLIENTS = 64  # the health probe, hostile connections, the server's pipes and log, Python's own
 
 
@@ -121,6 +122,32 @@ def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
+
+
+async def start_healthy_server(
+    session: aiohttp.ClientSession, args: argparse.Namespace, log: Path
+) -> tuple[subprocess.Popen, str]:
+    """The server answering `/health`, and its address; a port taken between the probe and the bind is replaced."""
+    for attempt in range(1, PORT_ATTEMPTS + 1):
+        port = free_port()
+        server, address = start_server(args, port, log), f"http://127.0.0.1:{port}"
+        try:
+            await wait_healthy(session, address, server, log)
+        except PortTaken:
+            if attempt == PORT_ATTEMPTS:
+                raise
+            continue
+        except BaseException:
+            stop_server(server)
+            raise
+        return server, address
+    raise AssertionError("the loop returns or raises")
+
+
+def stop_server(server: subprocess.Popen | None) -> None:
+    if server is not None and server.poll() is None:
+        server.kill()
+        server.wait()
 
 
 def start_server(args: argparse.Namespace, port: int, log: Path) -> subprocess.Popen:
@@ -132,12 +159,17 @@ def start_server(args: argparse.Namespace, port: int, log: Path) -> subprocess.P
     return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=log.open("w"), env=env)
 
 
+class PortTaken(RuntimeError):
+    """The port was free when probed and taken before the server bound it (by another process's connection)."""
+
+
 async def wait_healthy(session: aiohttp.ClientSession, base: str, server: subprocess.Popen, log: Path) -> None:
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:
         if server.poll() is not None:
             said = (log.read_text(errors="replace").strip().splitlines() or ["(nothing)"])[-1]
-            raise RuntimeError(f"the server exited with {server.returncode} before it served; its last line: {said}")
+            problem = PortTaken if " is in use on 127.0.0.1" in said else RuntimeError
+            raise problem(f"the server exited with {server.returncode} before it served; its last line: {said}")
         try:
             async with session.get(f"{base}/health") as response:
                 if response.status == 200:
@@ -286,15 +318,13 @@ def percentile(values: list[float], share: float) -> float | None:
 
 
 async def run(args: argparse.Namespace) -> dict:
-    port = free_port()
-    base = f"http://127.0.0.1:{port}"
     log = Path(args.output or "load_test").with_suffix(".server.log")
-    server = start_server(args, port, log)
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=30)
     connector = aiohttp.TCPConnector(limit=args.clients + 8)
+    server = None
     try:
         async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
-            await wait_healthy(session, base, server, log)
+            server, base = await start_healthy_server(session, args, log)
             rng = random.Random(args.seed)
             for index in range(args.warmup):
                 await one_request(session, base, ("chat", "stream", "completion", "response")[index % 4], args, rng)
@@ -312,9 +342,7 @@ async def run(args: argparse.Namespace) -> dict:
             after = resident_mib(server)
             drain_s, drained = await drain(session, base, server, args)
     finally:
-        if server.poll() is None:
-            server.kill()
-            server.wait()
+        stop_server(server)
     latencies = [result["latency"] for result in results if result["latency"] is not None and result["ok"]]
     good = [result for result in results if result["kind"] not in ("bad", "hostile")]
     refused = [result for result in good if result["status"] is not None and 400 <= result["status"] < 500]

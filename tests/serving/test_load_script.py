@@ -2,6 +2,7 @@
 bad and hostile requests, measures, sends SIGTERM, and reports every criterion met (no timed assertion: the numbers
 are the script's output, documented in docs/serving.md); and values that cannot make a test are refused."""
 
+import asyncio
 import json
 import os
 import subprocess
@@ -74,3 +75,57 @@ def test_it_says_when_every_good_request_was_refused_and_why(load_test, monkeypa
     report["kinds"] = {"bad": 1}  # nothing good was sent: a run that tests nothing fails
     assert load_test.main([]) == 1
     assert "no good request was sent" in capsys.readouterr().out
+
+
+# Stand-ins for the server, started as it is (a process, its stderr in the log): one that finds its port taken, and
+# one that answers /health. Plain Python, no model: what is tested is the load test's start-up.
+PORT_TAKEN = (
+    "import sys; sys.stderr.write('optimum.habana.serve: --port {port} is in use on 127.0.0.1: stop what listens "
+    "there or take another port.\\n'); sys.exit(2)"
+)
+HEALTHY = """
+import http.server
+
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200 if self.path == "/health" else 404)
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+http.server.HTTPServer(("127.0.0.1", {port}), Health).serve_forever()
+"""
+
+
+@pytest.mark.parametrize("taken", [1, 3])
+def test_a_port_taken_before_the_server_binds_it_is_replaced(load_test, taken, tmp_path, monkeypatch):
+    """The port is probed free, then bound by the server: a process between the two (a parallel test's connection)
+    makes the server exit; the load test starts it on another port, up to PORT_ATTEMPTS times, then says why."""
+    started = []
+
+    def start_server(args, port, log):
+        started.append(port)
+        code = PORT_TAKEN if len(started) <= taken else HEALTHY
+        return subprocess.Popen([sys.executable, "-c", code.format(port=port)], stderr=log.open("w"))
+
+    async def start():
+        async with load_test.aiohttp.ClientSession() as session:
+            return await load_test.start_healthy_server(session, None, tmp_path / "server.log")
+
+    monkeypatch.setattr(load_test, "start_server", start_server)
+    if taken >= load_test.PORT_ATTEMPTS:
+        with pytest.raises(load_test.PortTaken) as refusal:
+            asyncio.run(start())
+        assert len(started) == load_test.PORT_ATTEMPTS
+        assert (
+            f"exited with 2 before it served; its last line: optimum.habana.serve: --port {started[-1]} is in use"
+            in str(refusal.value)
+        )
+        return
+    server, address = asyncio.run(start())
+    try:
+        assert len(started) == taken + 1 and address == f"http://127.0.0.1:{started[-1]}"
+    finally:
+        load_test.stop_server(server)
+    assert server.poll() is not None
