@@ -11,6 +11,7 @@ from transformers.generation.streamers import BaseStreamer
 from optimum.habana.transformers.cache import BucketedStaticCache
 from tests.helpers import (
     FAMILIES,
+    SLIDING_WINDOW_CONFIGS,
     SOFT_CAPPED,
     build_pair,
     count_attention_paths,
@@ -105,8 +106,8 @@ def assert_same_output(output, reference) -> None:
         assert torch.equal(output, reference)
 
 
-def check_feature(model_type, feature, inputs, monkeypatch) -> None:
-    ours, stock = build_pair(model_type)
+def check_feature(model_type, feature, inputs, monkeypatch, **config) -> None:
+    ours, stock = build_pair(model_type, **config)
     reference = (from_embeddings if feature is embeddings_into_bucketed_cache else feature)(stock, inputs)
     with count_attention_paths(monkeypatch, profile=False) as counts:
         default = feature(ours, inputs)
@@ -152,3 +153,11 @@ def test_assisted_decoding_matches_stock(model_type, monkeypatch):
     assert torch.equal(flash, reference)
     if model_type not in SOFT_CAPPED:
         assert counts["fused"] > 0 and counts["default"] == 0
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_static_cache_of_windowed_layers_only_holds_the_whole_generation(monkeypatch):
+    """Every layer of this Mistral attends within 5 tokens, and a static cache's windowed layers report 5 as their
+    length: the cache still takes the 12-token prompt and each new token, with the stock class's tokens."""
+    inputs = left_padded_batch([12, 5, 9], seed=4)
+    check_feature("mistral", static_cache, inputs, monkeypatch, **SLIDING_WINDOW_CONFIGS["mistral"])

@@ -75,7 +75,9 @@ class GaudiGenerationMixin:
         if type(stock) is DynamicCache and not static_shapes:
             cache = GrowingCache(config, max_cache_length)
         else:
-            max_cache_len = stock.get_max_length() if type(stock) is StaticCache else max_cache_length
+            # transformers' own length for a static cache (not `stock.get_max_length()`: a sliding-window or
+            # linear-attention layer reports its window, or -1, and a model of only those would look full at once)
+            max_cache_len = max(max_cache_length, generation_config.max_cache_len or 0)
             compiled = type(stock) is StaticCache and self._valid_auto_compile_criteria(
                 model_kwargs, generation_config
             )
