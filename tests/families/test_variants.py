@@ -88,26 +88,32 @@ def test_an_indexer_selection_is_never_silently_dense():
     assert (unselected[real] - expected[real]).abs().max() > 1e-2  # the selection matters at these sizes
 
 
-@pytest.mark.parametrize("version", ["1.18-sinks", "1.18"])
-def test_sinks_through_the_hpu_double(version, monkeypatch):
-    """Gaudi software whose FusedSDPA takes sinks gets them (inference, recompute variant); older software gets the
-    sink key, which any kernel computes. Either way, the default path's tokens."""
+def flash_tokens_through_the_hpu_double(monkeypatch, model, version: str = "1.18"):
+    """The model's greedy tokens with the flag, every kernel call made to the HPU double of `version`; and the
+    double's record of those calls."""
     from optimum.habana import hpu
     from tests.core import fake_habana
 
-    ours, _ = family_pair("gpt_oss")
-    inputs = left_padded_batch(LENGTHS)
-    expected = greedy(ours, inputs)
     state = fake_habana.install(monkeypatch, version)
     hpu.hpu_kernel.cache_clear()
     monkeypatch.setattr(dispatch, "on_hpu", lambda tensor: True)
     try:
-        tokens = greedy(ours, inputs, use_flash_attention=True)
+        tokens = greedy(model, left_padded_batch(LENGTHS), use_flash_attention=True)
     finally:
         hpu.hpu_kernel.cache_clear()
+    assert state.calls
+    return tokens, state
+
+
+@pytest.mark.parametrize("version", ["1.18-sinks", "1.18"])
+def test_sinks_through_the_hpu_double(version, monkeypatch):
+    """Gaudi software whose FusedSDPA takes sinks gets them (inference, recompute variant); older software gets the
+    sink key, which any kernel computes. Either way, the default path's tokens."""
+    ours, _ = family_pair("gpt_oss")
+    expected = greedy(ours, left_padded_batch(LENGTHS))
+    tokens, state = flash_tokens_through_the_hpu_double(monkeypatch, ours, version)
     assert torch.equal(tokens, expected)
     head_dim = ours.config.head_dim
-    assert state.calls
     for call in state.calls:
         if version == "1.18-sinks":
             assert call.arguments["sink"] is not None and call.arguments["recompute_mode"] is True
@@ -117,19 +123,9 @@ def test_sinks_through_the_hpu_double(version, monkeypatch):
 
 
 def test_latent_attention_through_the_hpu_double(monkeypatch):
-    from optimum.habana import hpu
-    from tests.core import fake_habana
-
     ours, _ = family_pair("deepseek_v3")
-    inputs = left_padded_batch(LENGTHS)
-    expected = greedy(ours, inputs)
-    state = fake_habana.install(monkeypatch)
-    hpu.hpu_kernel.cache_clear()
-    monkeypatch.setattr(dispatch, "on_hpu", lambda tensor: True)
-    try:
-        tokens = greedy(ours, inputs, use_flash_attention=True)
-    finally:
-        hpu.hpu_kernel.cache_clear()
+    expected = greedy(ours, left_padded_batch(LENGTHS))
+    tokens, state = flash_tokens_through_the_hpu_double(monkeypatch, ours)
     assert torch.equal(tokens, expected)
     for call in state.calls:  # the value padded to the query's head size for the call
         assert call.value.shape[-1] == call.query.shape[-1] == ours.config.qk_head_dim

@@ -11,6 +11,8 @@ import warnings
 
 from transformers import CONFIG_MAPPING, PreTrainedConfig
 
+from optimum.habana.transformers.families.qualification import default_config
+
 
 SIZES = {
     "vocab_size": 256,
@@ -129,7 +131,7 @@ def without_dropout(config_class: type) -> dict[str, float]:
         name: 0.0
         for name in _settable_fields(config_class)
         if any(part in name for part in ("dropout", "pdrop", "jitter"))
-        if not isinstance(getattr(_default(config_class), name, None), bool)
+        if not isinstance(getattr(default_config(config_class), name, None), bool)
     }
 
 
@@ -144,7 +146,7 @@ def tiny_family_config(model_type: str, config_class: type | None = None, **over
         field_name = name if name in fields else aliases.get(name)
         if field_name in fields:
             values[field_name] = value
-    default = _default(config_class)
+    default = default_config(config_class)
     for name, value in WINDOWS.items():
         if name in fields and getattr(default, name, None) is not None:
             values[name] = value
@@ -191,15 +193,6 @@ def _settable_fields(config_class: type) -> set[str]:
             names |= set(inspect.signature(klass.__init__).parameters)
     properties = {name for name in dir(config_class) if isinstance(getattr(config_class, name, None), property)}
     return names - properties - {"self", "kwargs", "args"}
-
-
-def _default(config_class: type) -> PreTrainedConfig | None:
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            return config_class()
-    except Exception:
-        return None
 
 
 def _one_layer_of_each_kind(config: PreTrainedConfig) -> list[int]:

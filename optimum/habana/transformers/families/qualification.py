@@ -203,7 +203,7 @@ def _multimodal_reason(model_type: str, stock: type) -> str:
 
 
 def _is_encoder_decoder(model_type: str) -> bool:
-    return bool(getattr(_default_config(CONFIG_MAPPING[model_type]), "is_encoder_decoder", False))
+    return bool(getattr(default_config(CONFIG_MAPPING[model_type]), "is_encoder_decoder", False))
 
 
 def _module_graph(stock: type, depth: int = 6) -> dict[type, list[tuple[str, type]]]:
@@ -228,7 +228,7 @@ def _module_graph(stock: type, depth: int = 6) -> dict[type, list[tuple[str, typ
 
 
 def _no_attention_reason(model_type: str) -> str:
-    config = _default_config(CONFIG_MAPPING[model_type])
+    config = default_config(CONFIG_MAPPING[model_type])
     text_type = getattr(getattr(config, "text_config", None), "model_type", None)
     if text_type:
         return f"its language model is built from the model type {text_type!r} at run time: use that model type"
@@ -287,7 +287,7 @@ def _variants(stock: type, attention: set[type]) -> tuple[str, ...]:
     for cls in attention:
         for call in interface_calls(cls):
             keywords |= call.keywords
-    config = _default_config(stock.config_class)  # the causal LM's own config: a text config for `llama4`
+    config = default_config(stock.config_class)  # the causal LM's own config: a text config for `llama4`
     variants = []
     if keywords & {"s_aux", "sinks"}:
         variants.append(SINKS)
@@ -314,7 +314,7 @@ def _variants(stock: type, attention: set[type]) -> tuple[str, ...]:
 
 
 @functools.cache
-def _default_config(config_class: type) -> object:
+def default_config(config_class: type) -> object:
     """The family's config with its defaults, or None where they do not make one; built without its log lines (a
     default that names a token outside its own vocabulary, say), which say nothing about the user's model."""
     logger = logging.getLogger("transformers")
@@ -388,6 +388,7 @@ __all__ = [
     "FUSED_PATHS",
     "FamilyReport",
     "causal_lm_model_types",
+    "default_config",
     "family_report",
     "family_runs_mask_free",
     "qualifying_model_types",
