@@ -39,6 +39,18 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
+def listening_port(server, timeout_s: float = 120) -> int:
+    """The port a uvicorn server started with port 0 listens on, once it listens."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if server.started:
+            return server.servers[0].sockets[0].getsockname()[1]
+        if server.should_exit:
+            raise AssertionError("the server stopped before it listened")
+        time.sleep(0.05)
+    raise AssertionError(f"the server did not listen within {timeout_s} s")
+
+
 def wait_until_healthy(base_url: str, timeout_s: float = 120, process: subprocess.Popen | None = None) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -70,17 +82,19 @@ def save_long_context_checkpoint(folder: Path) -> Path:
 
 class RunningServer:
     def __init__(self, checkpoint: Path, flags: dict[str, bool] | None = None, **options):
-        self.port = free_port()
-        self.base_url = f"http://127.0.0.1:{self.port}"
+        # Port 0: uvicorn binds a port the kernel picks at that moment, so no other process (a parallel test's
+        # connection) can take it between a probe and the bind, as it can with `free_port()`.
         self.serve = GaudiServe(
             attention_flags=flags or {},
             force_model=str(checkpoint),
             device="cpu",
             host="127.0.0.1",
-            port=self.port,
+            port=0,
             non_blocking=True,
             **options,
         )
+        self.port = listening_port(self.serve.server)
+        self.base_url = f"http://127.0.0.1:{self.port}"
         wait_until_healthy(self.base_url)
         self.model_id = str(checkpoint)
         self.client = openai.OpenAI(base_url=f"{self.base_url}/v1", api_key="unused", max_retries=0, timeout=TIMEOUT_S)
