@@ -22,35 +22,16 @@ from torch.utils._pytree import tree_leaves
 from optimum.habana.utils.graph_capture import HostReads
 
 
+# Positional parameters after (q, k, v) per Gaudi software version; each version extends the one before.
+SIGNATURE_1_13 = ("attn_mask", "dropout_p", "is_causal", "scale")
+SIGNATURE_1_16 = (*SIGNATURE_1_13, "softmax_mode")
+SIGNATURE_1_18 = (*SIGNATURE_1_16, "recompute_mode", "valid_seq_len", "seq_padding_type")
 SIGNATURES = {
-    # Positional parameters after (q, k, v) per Gaudi software version.
-    "1.18": (
-        "attn_mask",
-        "dropout_p",
-        "is_causal",
-        "scale",
-        "softmax_mode",
-        "recompute_mode",
-        "valid_seq_len",
-        "seq_padding_type",
-    ),
+    "1.18": SIGNATURE_1_18,
     # Later 1.18-style kernels: four trailing extras; the recompute variant reads the window and the sinks.
-    "1.18-sinks": (
-        "attn_mask",
-        "dropout_p",
-        "is_causal",
-        "scale",
-        "softmax_mode",
-        "recompute_mode",
-        "valid_seq_len",
-        "seq_padding_type",
-        "return_dropout_mask",
-        "return_attn_probs",
-        "window_size",
-        "sink",
-    ),
-    "1.16": ("attn_mask", "dropout_p", "is_causal", "scale", "softmax_mode"),
-    "1.13": ("attn_mask", "dropout_p", "is_causal", "scale"),
+    "1.18-sinks": (*SIGNATURE_1_18, "return_dropout_mask", "return_attn_probs", "window_size", "sink"),
+    "1.16": SIGNATURE_1_16,
+    "1.13": SIGNATURE_1_13,
 }
 
 
