@@ -53,7 +53,7 @@ class GaudiGenerationMixin:
 
         - a `DynamicCache` becomes a `GrowingCache`: appended in place (no copy of the whole cache per token), its
           storage never longer than the `max_cache_length` tokens it will hold;
-        - a `StaticCache` becomes a `BucketedStaticCache` over the same storage, attended over its filled slots:
+        - a `StaticCache` becomes a `BucketedStaticCache` of the same length, attended over its filled slots:
           exactly when the step runs eagerly, in buckets of `STATIC_SHAPES_BUCKET` tokens when generate() compiles
           it (one graph per bucket);
         - on Gaudi, where shapes must stay static (lazy mode, HPU graphs), the default cache is that bucketed one.
