@@ -86,6 +86,27 @@ class _KernelCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+class CopiedElements(TorchDispatchMode):
+    """Counts the elements every copying operator writes (cat, clone, copies, gathers, index copies), by operator."""
+
+    WRITTEN_BY_OUTPUT = {"aten::cat", "aten::clone", "aten::index_select", "aten::_to_copy", "aten::repeat_interleave"}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: Counter = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        output = func(*args, **(kwargs or {}))
+        name = func.overloadpacket._qualified_op_name
+        if name in self.WRITTEN_BY_OUTPUT:
+            self.counts[name] += output.numel()
+        elif name == "aten::copy_":
+            self.counts[name] += args[0].numel()
+        elif name == "aten::index_copy_":
+            self.counts[name] += args[3].numel()
+        return output
+
+
 # The modules that call the fused kernel dispatch: a plain call, a padded prompt or several sequences in a row, a
 # window or a chunk cut into pieces.
 KERNEL_CALLERS = (attention, variable_length, local_attention)

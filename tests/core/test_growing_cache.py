@@ -5,14 +5,13 @@ from collections import Counter
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import DynamicCache, LlamaForCausalLM
 from transformers.cache_utils import DynamicLayer
 
 from optimum.habana import GaudiLlamaForCausalLM
 from optimum.habana.transformers import growing_cache
 from optimum.habana.transformers.growing_cache import GrowingCache, GrowingLayer, grown_capacity
-from tests.helpers import build_pair, left_padded_batch, tiny_llama_config
+from tests.helpers import CopiedElements, build_pair, left_padded_batch, tiny_llama_config
 
 
 GREEDY = {"do_sample": False, "pad_token_id": 0}
@@ -31,27 +30,6 @@ def pair() -> tuple[GaudiLlamaForCausalLM, LlamaForCausalLM]:
 
 def storage_pointer(cache: GrowingCache) -> int:
     return cache.layers[0].key_storage.data_ptr()
-
-
-class CopiedElements(TorchDispatchMode):
-    """Counts the elements every copying operator writes (cat, clone, copies, gathers, index copies), by operator."""
-
-    WRITTEN_BY_OUTPUT = {"aten::cat", "aten::clone", "aten::index_select", "aten::_to_copy", "aten::repeat_interleave"}
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.counts: Counter = Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        output = func(*args, **(kwargs or {}))
-        name = func.overloadpacket._qualified_op_name
-        if name in self.WRITTEN_BY_OUTPUT:
-            self.counts[name] += output.numel()
-        elif name == "aten::copy_":
-            self.counts[name] += args[0].numel()
-        elif name == "aten::index_copy_":
-            self.counts[name] += args[3].numel()
-        return output
 
 
 def test_capacity_is_one_growth_step_above_the_tokens_and_within_the_known_maximum():
