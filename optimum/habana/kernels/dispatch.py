@@ -18,6 +18,7 @@ from transformers.utils.import_utils import is_tracing
 from ..hpu import HPUKernel, hpu_kernel, on_hpu
 from .decode import query_groups_as_rows
 from .sinks import with_sink_key
+from .split_context import context_splits, split_context_sdpa
 
 
 SoftmaxMode = Literal["None", "fast"]
@@ -120,6 +121,9 @@ def fused_sdpa(
     if valid_sequence_lengths is not None and padding_side != "right":
         # PyTorch's kernels have no valid-length mode; right padding is exact under `is_causal` for the real tokens.
         raise ValueError("valid_sequence_lengths with left padding runs on Gaudi only: permute the rows first")
+    splits = context_splits(query, key, attn_mask, is_causal=is_causal, dropout_p=dropout_p)
+    if splits > 1:  # one sequence's decode step on CPU: its context in pieces, so that every thread reads a share
+        return split_context_sdpa(query, key, value, attn_mask, scale=scale, splits=splits)
     return _torch_fused_sdpa(query, key, value, attn_mask, is_causal=is_causal, scale=scale, dropout_p=dropout_p)
 
 

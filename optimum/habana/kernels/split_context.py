@@ -1,0 +1,125 @@
+"""A CPU decode step's attention cut along the context, so that every thread has the same share of the cache to read.
+
+PyTorch's CPU flash kernel shares its work out by (batch, head, query block). A decode step of one sequence has a
+single query block per key/value head, so it has as many pieces of work as key/value heads: SmolLM2's 3 on 2
+threads leave one thread idle for a third of the step, Llama-3-8B's 8 on 16 threads leave half of them idle. At long
+context that step is bound by reading the cache, so idle threads are unread bandwidth.
+
+Attention over a context is a weighted sum that can be taken in pieces (flash-decoding): each piece of the context
+gives its output and the log-sum-exp of its scores, and the pieces combine exactly, each weighted by
+`exp(lse_piece - lse_total)`. The pieces here are views of the cache (no copy): `[1, H, L, D]` viewed as
+`[splits, H, L / splits, D]`, one kernel call for all of them, and a second, tiny one for the last `L mod splits`
+tokens. The combine reads `splits` rows per head. Only for one sequence (the batch's sequences would need a copy
+to become pieces of one batch dimension) and without gradients (the kernel's log-sum-exp has none).
+"""
+
+import math
+
+import torch
+
+
+# The least context a piece gets: below this the kernel's fixed cost per piece outweighs the better balance.
+MIN_PIECE_TOKENS = 1024
+# The dtypes PyTorch's CPU flash kernel runs (it is what `scaled_dot_product_attention` picks for them).
+FLASH_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# The most query rows per head a call may have to be cut: a decode step's query group (one block of the kernel).
+MAX_QUERY_ROWS = 32
+
+
+def context_splits(
+    query: torch.Tensor, key: torch.Tensor, attn_mask: torch.Tensor | None, *, is_causal: bool, dropout_p: float
+) -> int:
+    """Into how many pieces this call's context is cut (1: not cut), from shapes and settings only. Eager calls
+    only: a compiled graph's kernels are its compiler's choice, and the thread count cannot be traced."""
+    if (
+        torch.compiler.is_compiling()
+        or query.dtype not in FLASH_DTYPES
+        or query.device.type != "cpu"
+        or is_causal
+        or dropout_p
+        or query.shape[0] != 1
+        or query.shape[2] > MAX_QUERY_ROWS
+    ):
+        return 1
+    if query.shape[1] != key.shape[1] or query.shape[-1] != key.shape[-1]:
+        return 1  # the caller stacks a decode step's query group as rows first; other calls go to the kernel whole
+    if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad):
+        return 1
+    if attn_mask is not None and (
+        attn_mask.dim() != 4 or attn_mask.shape[0] != 1 or attn_mask.shape[-1] != key.shape[2]
+    ):
+        return 1
+    threads = torch.get_num_threads()
+    most = min(threads, key.shape[2] // MIN_PIECE_TOKENS)
+    return max(range(1, most + 1), key=lambda splits: _thread_use(key.shape[1] * splits, threads), default=1)
+
+
+def _thread_use(pieces: int, threads: int) -> float:
+    """The share of the threads' time spent working when `pieces` equal pieces of work are shared out."""
+    return pieces / (threads * math.ceil(pieces / threads))
+
+
+def split_context_sdpa(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    *,
+    scale: float,
+    splits: int,
+) -> torch.Tensor:
+    """Attention of one sequence's few query rows `[1, H, q, D]` over its context `[1, H, L, D]`, in `splits`
+    pieces of the context, combined exactly. `attn_mask` is boolean (True = attend) or additive, broadcastable to
+    `[1, H, q, L]`."""
+    if attn_mask is not None and attn_mask.dtype == torch.bool:
+        attn_mask = torch.zeros_like(attn_mask, dtype=query.dtype).masked_fill_(~attn_mask, -math.inf)
+    length = key.shape[2]
+    piece = length // splits
+    whole = piece * splits
+    outputs, scores = _attend(
+        query.expand(splits, *query.shape[1:]),
+        _as_pieces(key[:, :, :whole], splits, 2),
+        _as_pieces(value[:, :, :whole], splits, 2),
+        None if attn_mask is None else _as_pieces(attn_mask[..., :whole], splits, 3),
+        scale,
+    )
+    if whole < length:
+        tail = None if attn_mask is None else attn_mask[..., whole:]
+        tail_output, tail_scores = _attend(query, key[:, :, whole:], value[:, :, whole:], tail, scale)
+        outputs, scores = torch.cat([outputs, tail_output]), torch.cat([scores, tail_scores])
+    if attn_mask is not None:  # the kernel gives a piece masked whole a log-sum-exp of 0, not -inf
+        seen = _as_pieces(attn_mask[..., :whole] > -math.inf, splits, 3).any(-1)
+        if whole < length:
+            seen = torch.cat([seen, (attn_mask[..., whole:] > -math.inf).any(-1)])
+        scores = scores.masked_fill(~seen.expand_as(scores), -math.inf)
+    return _combine(outputs, scores).to(query.dtype)
+
+
+def _as_pieces(tensor: torch.Tensor, splits: int, dim: int) -> torch.Tensor:
+    """One sequence's `tensor` (`[1, ...]`) cut along the context dimension `dim` into `splits` pieces side by side
+    in the batch dimension: `[1, H, L, D]` -> `[splits, H, L / splits, D]`. A view."""
+    return tensor[0].unflatten(dim - 1, (splits, -1)).movedim(dim - 1, 0)
+
+
+def _attend(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """PyTorch's CPU flash kernel, with the log-sum-exp of each row's scores, which the public function drops."""
+    output, log_sum_exp = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        query, key, value, attn_mask=attn_mask, scale=scale
+    )
+    return output, log_sum_exp
+
+
+def _combine(outputs: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+    """The pieces' outputs `[P, H, q, D]` weighted by their share of each row's softmax (`scores`: `[P, H, q]`
+    log-sum-exps); a row no piece may attend to is zero, as the whole kernel gives."""
+    top = scores.amax(0)
+    top = top.masked_fill(top == -math.inf, 0.0)
+    weights = torch.exp(scores - top)
+    total = weights.sum(0)
+    combined = (outputs.float() * weights.unsqueeze(-1)).sum(0) / total.unsqueeze(-1)
+    return torch.where(total.unsqueeze(-1) > 0, combined, 0.0).unsqueeze(0)
+
+
+__all__ = ["MIN_PIECE_TOKENS", "context_splits", "split_context_sdpa"]
