@@ -17,7 +17,7 @@ from transformers import LlamaForCausalLM
 from optimum.habana import GaudiLlamaForCausalLM
 from optimum.habana.cli.benchmarks.inference import arguments as inference_arguments
 from optimum.habana.cli.benchmarks.inference import command as inference_command
-from optimum.habana.cli.benchmarks.models import ModelSpec, build_model, floor_attention
+from optimum.habana.cli.benchmarks.models import PRESETS, ModelSpec, build_model, floor_attention
 from tests.helpers import ROOT, load_script, tiny_llama_config
 
 
@@ -158,8 +158,7 @@ def bad_setup(tmp_path: Path, checkpoint: Path) -> dict[str, tuple[list[str], st
         "output_dir cannot be created": (["--output_dir", str(taken / "sub")], "cannot be written"),
         "mistyped preset": (
             ["--model_name_or_path", "llama2-13b-attn"],
-            "'llama2-13b-attn' is not a preset: did you mean 'llama2-7b-attn'? The presets are llama2-7b-attn, "
-            "llama3-8b-attn, smollm2-attn, gpt-oss-20b-attn, gemma3-4b-attn, deepseek-v2-lite-attn.",
+            f"'llama2-13b-attn' is not a preset: did you mean 'llama2-7b-attn'? The presets are {', '.join(PRESETS)}.",
         ),
         "truncated weights": (["--model_name_or_path", str(truncated)], "model.safetensors is damaged or truncated"),
     }

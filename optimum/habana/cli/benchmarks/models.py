@@ -65,6 +65,7 @@ PRESETS = {
     "llama3-8b-attn": Preset("Llama-3-8B", 4096, 32, 8, 500000.0),
     "smollm2-attn": Preset("SmolLM2-135M", 576, 9, 3, 100000.0),
     "gpt-oss-20b-attn": Preset("gpt-oss-20b", 2880, 64, 8, 150000.0, "gpt_oss", 64, GPT_OSS_20B),
+    "gemma-2b-attn": Preset("Gemma-2B", 2048, 8, 1, 10000.0, "gemma", 256),
     "gemma3-4b-attn": Preset("Gemma-3-4B", 2560, 8, 4, 1000000.0, "gemma3_text", 256, GEMMA3_4B),
     "deepseek-v2-lite-attn": Preset("DeepSeek-V2-Lite", 2048, 16, 16, 10000.0, "deepseek_v2", 64, DEEPSEEK_V2_LITE),
 }
