@@ -2,7 +2,9 @@
 model and short contexts (the table's columns and the paths' tokens, not its timings, are what a test can check)."""
 
 import pytest
+import torch
 
+from optimum.habana.kernels import dispatch, split_context
 from tests.helpers import load_script
 
 
@@ -33,6 +35,28 @@ def test_every_path_decodes_the_same_tokens_from_the_same_cache(capsys):
     assert stock_columns["stock sdpa"] == "-" and stock_columns["flag"] != "-"
     assert "flag, 1 x 96 (random cache), per step under torch.profiler:" in out
     assert "the whole step (wall clock)" in out and "outside any operator (Python)" in out
+
+
+def test_the_whole_context_row_is_the_flag_without_the_cut(capsys, monkeypatch):
+    """Two threads over SmolLM2's three key/value heads: the flag's one-sequence decode steps are cut in two, the
+    whole-context row's are not, and both give the default path's tokens."""
+    monkeypatch.setattr(split_context, "MIN_PIECE_TOKENS", 16)
+    cuts = []
+    cut = dispatch.split_context_sdpa
+    monkeypatch.setattr(dispatch, "split_context_sdpa", lambda *args, **kwargs: cuts.append(1) or cut(*args, **kwargs))
+    threads = torch.get_num_threads()
+    argv = [*SMALL, "--shapes", "1x96", "--steps", "2", "--rounds", "1", "--no-random_cache", "--threads", "2"]
+    try:
+        assert load_script(SCRIPT).main([*argv, "--whole_context"]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    header, *rows = table_rows(capsys.readouterr().out)
+    measured = [row for row in rows if row[0] == "1 x 96"]
+    assert [row[1] for row in measured] == ["flag", "flag, whole context", "default", "stock sdpa", "stock eager"]
+    assert all(row[-1] == "same" for row in measured)
+    assert measured[1][header.index("vs stock")] != "-"
+    # The flag alone: 2 steps at the context, 2 at 64 tokens, 2 for the memory column, one layer each.
+    assert len(cuts) == 6
 
 
 @pytest.mark.parametrize("argv", [["--shapes", "1x32"], ["--shapes", "0x512"], ["--steps", "0"], ["--profile", "x"]])

@@ -12,10 +12,12 @@ read the keys and values once at the read rate a batch-1 linear layer reaches in
 import contextlib
 import ctypes
 import statistics
+import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
+from unittest import mock
 
 import torch
 from transformers import DynamicCache
@@ -23,14 +25,16 @@ from transformers.cache_utils import Cache
 
 from optimum.habana.cli.benchmarks.compiled_decode import median_seconds
 from optimum.habana.cli.benchmarks.models import ModelSpec, build_model
+from optimum.habana.kernels import split_context
 from optimum.habana.transformers.growing_cache import GrowingCache
 from optimum.habana.utils.devices import memory_stats, reset_peak_memory, synchronize
 
 
 BASE_CONTEXT = 64  # tokens: the context whose step time the context cost is measured from
 PATHS = ("flag", "default", "stock sdpa", "stock eager")
+WHOLE_CONTEXT = "flag, whole context"  # the flag without cutting a decode step's context (`kernels.split_context`)
 # Each path's whole step is compared with this one's, same shape, same run.
-REFERENCE = {"flag": "stock sdpa", "default": "stock eager"}
+REFERENCE = {"flag": "stock sdpa", WHOLE_CONTEXT: "stock sdpa", "default": "stock eager"}
 MIB = 1024**2
 STEP = "the whole step (wall clock)"
 
@@ -41,6 +45,7 @@ class DecodePath:
     model: torch.nn.Module
     forward_kwargs: dict[str, Any]
     growing_cache: bool  # the cache a Gaudi model's generate() builds, or stock's DynamicCache
+    whole_context: bool = False  # never cut the context of a decode step into pieces
 
 
 @dataclass
@@ -62,16 +67,19 @@ class PathTiming:
         return self.long_step - statistics.median(self.base_steps)
 
 
-def decode_paths(spec: ModelSpec, dtype: torch.dtype, seed: int) -> list[DecodePath]:
-    """The four paths over one set of weights (the stock models share the Gaudi model's tensors)."""
+def decode_paths(spec: ModelSpec, dtype: torch.dtype, seed: int, whole_context: bool = False) -> list[DecodePath]:
+    """The four paths over one set of weights (the stock models share the Gaudi model's tensors); with
+    `whole_context`, a fifth: the flag with each decode step's context in one kernel call."""
     ours = build_model(spec, "flash", dtype, seed).eval()
     stock = {}
     for attention in ("sdpa", "eager"):
         model = build_model(spec, attention, dtype, seed).eval()
         model.load_state_dict(ours.state_dict(), assign=True)
         stock[attention] = model
+    whole = [DecodePath(WHOLE_CONTEXT, ours, {"use_flash_attention": True}, True, whole_context=True)]
     return [
         DecodePath("flag", ours, {"use_flash_attention": True}, growing_cache=True),
+        *(whole if whole_context else []),
         DecodePath("default", ours, {"use_flash_attention": False}, growing_cache=True),
         DecodePath("stock sdpa", stock["sdpa"], {}, growing_cache=False),
         DecodePath("stock eager", stock["eager"], {}, growing_cache=False),
@@ -135,16 +143,18 @@ def timed_steps(
     """`steps` greedy decode steps: each one's seconds, and the tokens."""
     device = first_token.device
     token, tokens, seconds = first_token, [], []
-    for _ in range(steps):
-        synchronize(device)
-        start = time.perf_counter()
-        output = path.model(
-            input_ids=token, past_key_values=cache, use_cache=True, logits_to_keep=1, **path.forward_kwargs
-        )
-        token = output.logits[:, -1:].argmax(-1)
-        synchronize(device)
-        seconds.append(time.perf_counter() - start)
-        tokens.append(token)
+    context = mock.patch.object(split_context, "MIN_PIECE_TOKENS", sys.maxsize)
+    with context if path.whole_context else contextlib.nullcontext():
+        for _ in range(steps):
+            synchronize(device)
+            start = time.perf_counter()
+            output = path.model(
+                input_ids=token, past_key_values=cache, use_cache=True, logits_to_keep=1, **path.forward_kwargs
+            )
+            token = output.logits[:, -1:].argmax(-1)
+            synchronize(device)
+            seconds.append(time.perf_counter() - start)
+            tokens.append(token)
     return seconds, torch.cat(tokens, dim=-1)
 
 
