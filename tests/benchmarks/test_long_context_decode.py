@@ -38,9 +38,10 @@ def test_every_path_decodes_the_same_tokens_from_the_same_cache(capsys):
 
 
 def test_the_whole_context_row_is_the_flag_without_the_cut(capsys, monkeypatch):
-    """Two threads over SmolLM2's three key/value heads: the flag's one-sequence decode steps are cut in two, the
-    whole-context row's are not, and both give the default path's tokens."""
+    """Two threads over SmolLM2's three key/value heads, cut whenever they would idle: the flag's one-sequence
+    decode steps are cut in two, the whole-context row's are not, and both give the default path's tokens."""
     monkeypatch.setattr(split_context, "MIN_PIECE_TOKENS", 16)
+    monkeypatch.setattr(split_context, "MAX_THREAD_USE", 1.0)
     cuts = []
     cut = dispatch.split_context_sdpa
     monkeypatch.setattr(dispatch, "split_context_sdpa", lambda *args, **kwargs: cuts.append(1) or cut(*args, **kwargs))

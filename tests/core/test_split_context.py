@@ -84,13 +84,14 @@ def test_bfloat16_stays_within_one_rounding_of_the_whole_kernel():
 @pytest.mark.parametrize(
     ("kv_heads", "thread_count", "length", "expected"),
     [
-        (3, 2, 8192, 2),  # SmolLM2 on 2 threads: 3 pieces of work would leave a thread idle for a third
         (1, 2, 8192, 2),  # one key/value head: one thread would do everything
-        (3, 4, 8192, 4),  # 12 pieces fill 4 threads; 2 or 3 splits leave a quarter idle
-        (8, 16, 16384, 2),  # Llama-3-8B on 16 threads
+        (8, 16, 16384, 2),  # Llama-3-8B on 16 threads: half of them idle
+        (3, 8, 8192, 8),  # 24 pieces fill 8 threads; 2 to 7 splits leave some idle
+        (3, 8, 4096, 2),  # at most 4 pieces of MIN_PIECE_TOKENS: 6 or 12 pieces on 8 threads, the fewer wins
+        (3, 2, 8192, 1),  # SmolLM2 on 2 threads uses 3/4 of their time: the cut costs more than it gains
         (4, 2, 8192, 1),  # the heads share out evenly already
-        (3, 1, 8192, 1),  # one thread
-        (3, 2, 2047, 1),  # pieces would be shorter than MIN_PIECE_TOKENS
+        (1, 1, 8192, 1),  # one thread
+        (1, 2, 2047, 1),  # pieces would be shorter than MIN_PIECE_TOKENS
     ],
 )
 def test_the_context_is_cut_when_threads_would_idle(threads, kv_heads, thread_count, length, expected):
@@ -157,8 +158,8 @@ def prompt_with_padding(length: int, padding: int) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("padding", [0, 14], ids=["no padding", "left padding"])
 def test_generate_cuts_each_decode_step_and_gives_stock_tokens(pair, threads, short_pieces, monkeypatch, padding):
-    """Two key/value heads on three threads: three pieces per call, a tail whenever the context does not divide."""
-    threads(3)
+    """Two key/value heads on four threads: two pieces per call, a tail whenever the context is odd."""
+    threads(4)
     ours, stock = pair
     calls = Counter()
     cut = dispatch.split_context_sdpa
@@ -171,12 +172,12 @@ def test_generate_cuts_each_decode_step_and_gives_stock_tokens(pair, threads, sh
     inputs = prompt_with_padding(20, padding)
     settings = {"max_new_tokens": 10, "min_new_tokens": 10, **GREEDY}
     tokens = ours.generate(**inputs, use_flash_attention=True, **settings)
-    assert calls == {3: 9 * 2}  # every decode step of both layers; the prompt is causal and goes whole
+    assert calls == {2: 9 * 2}  # every decode step of both layers; the prompt is causal and goes whole
     assert torch.equal(tokens, stock.generate(**inputs, **settings))
 
 
 def test_the_pieces_are_views_of_the_cache_and_a_step_copies_nothing_that_grows(pair, threads, short_pieces):
-    threads(3)
+    threads(4)
     ours, _ = pair
     seen_storages = []
     attend = split_context._attend
@@ -203,6 +204,6 @@ def test_the_pieces_are_views_of_the_cache_and_a_step_copies_nothing_that_grows(
         return counter.counts, set(seen_storages), storages
 
     short, short_seen, short_storages = step(40)
-    long, long_seen, long_storages = step(79)  # 41 and 80 tokens: three pieces and a tail of 2 each time
+    long, long_seen, long_storages = step(80)  # 41 and 81 tokens: two pieces and a tail of one each time
     assert short_seen == short_storages and long_seen == long_storages  # the kernel read the cache itself
     assert short == long

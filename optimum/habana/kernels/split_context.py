@@ -1,9 +1,9 @@
 """A CPU decode step's attention cut along the context, so that every thread has the same share of the cache to read.
 
 PyTorch's CPU flash kernel shares its work out by (batch, head, query block). A decode step of one sequence has a
-single query block per key/value head, so it has as many pieces of work as key/value heads: SmolLM2's 3 on 2
-threads leave one thread idle for a third of the step, Llama-3-8B's 8 on 16 threads leave half of them idle. At long
-context that step is bound by reading the cache, so idle threads are unread bandwidth.
+single query block per key/value head, so it has as many pieces of work as key/value heads: a multi-query model's
+one head on 2 threads leaves a thread idle, Llama-3-8B's 8 on 16 threads leave half of them idle. At long context
+that step is bound by reading the cache, so idle threads are unread bandwidth.
 
 Attention over a context is a weighted sum that can be taken in pieces (flash-decoding): each piece of the context
 gives its output and the log-sum-exp of its scores, and the pieces combine exactly, each weighted by
@@ -20,6 +20,10 @@ import torch
 
 # The least context a piece gets: below this the kernel's fixed cost per piece outweighs the better balance.
 MIN_PIECE_TOKENS = 1024
+# Cut only a call that would leave at least half the threads idle: on this 2-core CPU cutting SmolLM2's 3 heads for
+# 2 threads (3/4 of the threads' time used) gained less than the cut's own cost, about 0.1 ms a call (the combine,
+# and a second call for the tail); one key/value head on 2 threads ran 2.2x faster cut.
+MAX_THREAD_USE = 0.5
 # The dtypes PyTorch's CPU flash kernel runs (it is what `scaled_dot_product_attention` picks for them).
 FLASH_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # The most query rows per head a call may have to be cut: a decode step's query group (one block of the kernel).
@@ -50,6 +54,8 @@ def context_splits(
     ):
         return 1
     threads = torch.get_num_threads()
+    if _thread_use(key.shape[1], threads) > MAX_THREAD_USE:
+        return 1
     most = min(threads, key.shape[2] // MIN_PIECE_TOKENS)
     return max(range(1, most + 1), key=lambda splits: _thread_use(key.shape[1] * splits, threads), default=1)
 
@@ -92,7 +98,7 @@ def split_context_sdpa(
         if whole < length:
             seen = torch.cat([seen, (attn_mask[..., whole:] > -math.inf).any(-1)])
         scores = scores.masked_fill(~seen.expand_as(scores), -math.inf)
-    return _combine(outputs, scores).to(query.dtype)
+    return _combine(outputs, scores, rows_may_be_masked=attn_mask is not None).to(query.dtype)
 
 
 def _as_pieces(tensor: torch.Tensor, splits: int, dim: int) -> torch.Tensor:
@@ -111,15 +117,15 @@ def _attend(
     return output, log_sum_exp
 
 
-def _combine(outputs: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+def _combine(outputs: torch.Tensor, scores: torch.Tensor, rows_may_be_masked: bool) -> torch.Tensor:
     """The pieces' outputs `[P, H, q, D]` weighted by their share of each row's softmax (`scores`: `[P, H, q]`
     log-sum-exps); a row no piece may attend to is zero, as the whole kernel gives."""
-    top = scores.amax(0)
-    top = top.masked_fill(top == -math.inf, 0.0)
-    weights = torch.exp(scores - top)
-    total = weights.sum(0)
-    combined = (outputs.float() * weights.unsqueeze(-1)).sum(0) / total.unsqueeze(-1)
-    return torch.where(total.unsqueeze(-1) > 0, combined, 0.0).unsqueeze(0)
+    total = torch.logsumexp(scores, 0)
+    weights = torch.exp(scores - total).unsqueeze(-1)
+    combined = (outputs.float() * weights).sum(0, keepdim=True)
+    if rows_may_be_masked:  # such a row's total is -inf and its weights NaN
+        combined = torch.where(total.isneginf().unsqueeze(-1), 0.0, combined)
+    return combined
 
 
 __all__ = ["MIN_PIECE_TOKENS", "context_splits", "split_context_sdpa"]
