@@ -73,10 +73,16 @@ def test_a_row_that_may_attend_to_nothing_is_zero_as_in_the_whole_kernel():
     assert split_context_sdpa(query, key, value, mask, scale=0.125, splits=2).abs().max() == 0
 
 
-def test_bfloat16_stays_within_one_rounding_of_the_whole_kernel():
+@pytest.mark.parametrize(
+    "mask_dtype", [None, torch.bool, torch.float32], ids=["no mask", "boolean", "float32 additive"]
+)
+def test_bfloat16_stays_within_one_rounding_of_the_whole_kernel(mask_dtype):
     query, key, value = decode_inputs(kv_heads=1, groups=8, length=4099, dtype=torch.bfloat16)
-    expected = F.scaled_dot_product_attention(query, key, value, scale=0.125)
-    output = split_context_sdpa(query, key, value, None, scale=0.125, splits=2)
+    mask = None if mask_dtype is None else masks(4099)["bool"]
+    if mask_dtype == torch.float32:
+        mask = torch.where(mask, 0.0, -torch.inf)
+    expected = F.scaled_dot_product_attention(query, key, value, mask, scale=0.125)
+    output = split_context_sdpa(query, key, value, mask, scale=0.125, splits=2)
     assert output.dtype == torch.bfloat16
     torch.testing.assert_close(output, expected, rtol=1.6e-2, atol=2e-3)
 
@@ -96,16 +102,26 @@ def test_bfloat16_stays_within_one_rounding_of_the_whole_kernel():
 )
 def test_the_context_is_cut_when_threads_would_idle(threads, kv_heads, thread_count, length, expected):
     threads(thread_count)
-    query, key, _ = decode_inputs(kv_heads, groups=3, length=length)
-    assert context_splits(query, key, None, is_causal=False, dropout_p=0.0) == expected
+    query, key, value = decode_inputs(kv_heads, groups=3, length=length)
+    assert context_splits(query, key, value, None, is_causal=False, dropout_p=0.0) == expected
 
 
 @pytest.mark.parametrize(
-    "case", ["two sequences", "causal", "dropout", "gradients", "a prompt's rows", "heads not stacked", "mask of 2"]
+    "case",
+    [
+        "two sequences",
+        "causal",
+        "dropout",
+        "gradients",
+        "a prompt's rows",
+        "heads not stacked",
+        "value heads of another size",
+        "mask of 2",
+    ],
 )
 def test_other_calls_go_to_the_kernel_whole(threads, case):
     threads(2)
-    query, key, _ = decode_inputs(kv_heads=1, groups=4, length=8192)
+    query, key, value = decode_inputs(kv_heads=1, groups=4, length=8192)
     mask, options = None, {"is_causal": False, "dropout_p": 0.0}
     if case == "two sequences":
         query, key = query.expand(2, -1, -1, -1), key.expand(2, -1, -1, -1)
@@ -119,9 +135,11 @@ def test_other_calls_go_to_the_kernel_whole(threads, case):
         query = query.repeat(1, 1, 16, 1)
     elif case == "heads not stacked":
         query = query.reshape(1, 4, 1, 64)
+    elif case == "value heads of another size":  # latent attention
+        value = value[..., :32]
     elif case == "mask of 2":
         mask = torch.ones(2, 1, 1, 8192, dtype=torch.bool)
-    assert context_splits(query, key, mask, **options) == 1
+    assert context_splits(query, key, value, mask, **options) == 1
 
 
 def test_compiled_code_calls_the_kernel_whole_in_one_graph(threads, short_pieces, monkeypatch):

@@ -121,7 +121,7 @@ def fused_sdpa(
     if valid_sequence_lengths is not None and padding_side != "right":
         # PyTorch's kernels have no valid-length mode; right padding is exact under `is_causal` for the real tokens.
         raise ValueError("valid_sequence_lengths with left padding runs on Gaudi only: permute the rows first")
-    splits = context_splits(query, key, attn_mask, is_causal=is_causal, dropout_p=dropout_p)
+    splits = context_splits(query, key, value, attn_mask, is_causal=is_causal, dropout_p=dropout_p)
     if splits > 1:  # one sequence's decode step on CPU: its context in pieces, so that every thread reads a share
         return split_context_sdpa(query, key, value, attn_mask, scale=scale, splits=splits)
     return _torch_fused_sdpa(query, key, value, attn_mask, is_causal=is_causal, scale=scale, dropout_p=dropout_p)

@@ -31,7 +31,13 @@ MAX_QUERY_ROWS = 32
 
 
 def context_splits(
-    query: torch.Tensor, key: torch.Tensor, attn_mask: torch.Tensor | None, *, is_causal: bool, dropout_p: float
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    *,
+    is_causal: bool,
+    dropout_p: float,
 ) -> int:
     """Into how many pieces this call's context is cut (1: not cut), from shapes and settings only. Eager calls
     only: a compiled graph's kernels are its compiler's choice, and the thread count cannot be traced."""
@@ -45,7 +51,10 @@ def context_splits(
         or query.shape[2] > MAX_QUERY_ROWS
     ):
         return 1
-    if query.shape[1] != key.shape[1] or query.shape[-1] != key.shape[-1]:
+    if (
+        len({query.shape[1], key.shape[1], value.shape[1]}) > 1
+        or len({query.shape[-1], key.shape[-1], value.shape[-1]}) > 1
+    ):
         return 1  # the caller stacks a decode step's query group as rows first; other calls go to the kernel whole
     if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad):
         return 1
