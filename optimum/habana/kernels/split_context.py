@@ -20,9 +20,9 @@ import torch
 
 # The least context a piece gets: below this the kernel's fixed cost per piece outweighs the better balance.
 MIN_PIECE_TOKENS = 1024
-# Cut only a call that would leave at least half the threads idle: on this 2-core CPU cutting SmolLM2's 3 heads for
-# 2 threads (3/4 of the threads' time used) gained less than the cut's own cost, about 0.1 ms a call (the combine,
-# and a second call for the tail); one key/value head on 2 threads ran 2.2x faster cut.
+# Cut only a call that would leave at least half the threads idle: the cut has a cost of its own per call (the
+# combine, and a second call for the tail), and on this 2-core CPU SmolLM2's 3 heads on 2 threads (3/4 of the
+# threads' time used) gained nothing measurable from it, where Gemma-2B's one key/value head did (docs/benchmarks.md).
 MAX_THREAD_USE = 0.5
 # The dtypes PyTorch's CPU flash kernel runs (it is what `scaled_dot_product_attention` picks for them).
 FLASH_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -128,12 +128,12 @@ def _attend(
 
 def _combine(outputs: torch.Tensor, scores: torch.Tensor, rows_may_be_masked: bool) -> torch.Tensor:
     """The pieces' outputs `[P, H, q, D]` weighted by their share of each row's softmax (`scores`: `[P, H, q]`
-    log-sum-exps); a row no piece may attend to is zero, as the whole kernel gives."""
-    total = torch.logsumexp(scores, 0)
-    weights = torch.exp(scores - total).unsqueeze(-1)
-    combined = (outputs.float() * weights).sum(0, keepdim=True)
-    if rows_may_be_masked:  # such a row's total is -inf and its weights NaN
-        combined = torch.where(total.isneginf().unsqueeze(-1), 0.0, combined)
+    log-sum-exps, whose softmax over the pieces is that share); a row no piece may attend to is zero, as the whole
+    kernel gives."""
+    shares = torch.softmax(scores, 0).unsqueeze(-1)
+    combined = (outputs.float() * shares).sum(0, keepdim=True)
+    if rows_may_be_masked:  # such a row's scores are all -inf and its shares NaN
+        combined = torch.where(scores.isneginf().all(0).unsqueeze(-1), 0.0, combined)
     return combined
 
 
