@@ -56,7 +56,7 @@ def context_splits(
         or len({query.shape[-1], key.shape[-1], value.shape[-1]}) > 1
     ):
         return 1  # the caller stacks a decode step's query group as rows first; other calls go to the kernel whole
-    if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad):
+    if torch.is_grad_enabled() and any(tensor.requires_grad for tensor in (query, key, value)):
         return 1
     if attn_mask is not None and (
         attn_mask.dim() != 4 or attn_mask.shape[0] != 1 or attn_mask.shape[-1] != key.shape[2]
@@ -102,11 +102,6 @@ def split_context_sdpa(
         tail = None if attn_mask is None else attn_mask[..., whole:]
         tail_output, tail_scores = _attend(query, key[:, :, whole:], value[:, :, whole:], tail, scale)
         outputs, scores = torch.cat([outputs, tail_output]), torch.cat([scores, tail_scores])
-    if attn_mask is not None:  # the kernel gives a piece masked whole a log-sum-exp of 0, not -inf
-        seen = _as_pieces(attn_mask[..., :whole] > -math.inf, splits, 3).any(-1)
-        if whole < length:
-            seen = torch.cat([seen, (attn_mask[..., whole:] > -math.inf).any(-1)])
-        scores = scores.masked_fill(~seen.expand_as(scores), -math.inf)
     return _combine(outputs, scores, rows_may_be_masked=attn_mask is not None).to(query.dtype)
 
 
@@ -123,6 +118,9 @@ def _attend(
     output, log_sum_exp = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         query, key, value, attn_mask=attn_mask, scale=scale
     )
+    if attn_mask is not None:  # the kernel gives a row its mask hides whole a log-sum-exp of 0: it is -inf
+        hidden = (attn_mask == -math.inf).all(-1).expand_as(log_sum_exp)
+        log_sum_exp = log_sum_exp.masked_fill(hidden, -math.inf)
     return output, log_sum_exp
 
 
