@@ -1,6 +1,7 @@
-"""Every qualifying family beyond the prompt: a static-cache generate, a training step, a packed training step.
+"""Every qualifying family beyond the prompt: a static-cache generate, a training step, a packed training step, and
+a one-sequence decode with its context cut for idle threads.
 
-These run outside `make test`, in `.ci/run` (`make test-families`, about 30 seconds on 2 cores), under the
+These run outside `make test`, in `.ci/run` (`make test-families`, about 40 seconds on 2 cores), under the
 `families` marker, which keeps `make test` clear of its 8-minute budget. What they hold each family to is what the
 14 written families are held to in tests/core.
 """
@@ -10,6 +11,7 @@ import torch
 from transformers import DataCollatorWithFlattening
 
 from optimum.habana import gaudi_model_class, supported_model_types
+from optimum.habana.kernels import dispatch, split_context
 from optimum.habana.transformers.batch_layout import can_run_packed
 from optimum.habana.transformers.models import family_table
 from tests.families.support import LENGTHS, family_pair, greedy
@@ -81,6 +83,25 @@ def test_static_cache_generate_gives_stock_tokens(model_type):
         return
     assert torch.equal(greedy(ours, inputs, cache_implementation="static", use_flash_attention=True), reference)
     assert torch.equal(greedy(ours, inputs, cache_implementation="static"), reference)
+
+
+@pytest.mark.parametrize("model_type", FAMILY_TYPES)
+def test_one_sequence_decode_cut_for_idle_threads_gives_stock_tokens(model_type, monkeypatch):
+    """The context cut of a one-sequence CPU decode step (`kernels/split_context.py`), made to run for every family:
+    64 threads as far as the decision sees (any head count leaves most idle), pieces of 4 tokens."""
+    monkeypatch.setattr(split_context, "MIN_PIECE_TOKENS", 4)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 64)
+    cuts = []
+    cut = dispatch.split_context_sdpa
+    monkeypatch.setattr(dispatch, "split_context_sdpa", lambda *args, **kwargs: cuts.append(1) or cut(*args, **kwargs))
+    ours, stock = family_pair(model_type)
+    inputs = left_padded_batch([14])
+    reference = greedy(stock, inputs)
+    assert torch.equal(greedy(ours, inputs, use_flash_attention=True), reference)
+    # Each call with equal query, key and value head sizes on the fused path is cut; a latent-attention decode step
+    # (value heads of another size) goes whole, and soft-capped logits take the default path.
+    may_go_whole = {"soft-capped logits", "latent attention (value head size differs from the query's)"}
+    assert cuts or may_go_whole & set(family_table()[model_type].variants)
 
 
 @pytest.mark.parametrize("model_type", FAMILY_TYPES)
