@@ -93,9 +93,9 @@ def split_context_sdpa(
     whole = piece * splits
     outputs, scores = _attend(
         query.expand(splits, *query.shape[1:]),
-        _as_pieces(key[:, :, :whole], splits, 2),
-        _as_pieces(value[:, :, :whole], splits, 2),
-        None if attn_mask is None else _as_pieces(attn_mask[..., :whole], splits, 3),
+        _pieces_view(key[:, :, :whole], splits, 2),
+        _pieces_view(value[:, :, :whole], splits, 2),
+        None if attn_mask is None else _pieces_view(attn_mask[..., :whole], splits, 3),
         scale,
     )
     if whole < length:
@@ -105,7 +105,7 @@ def split_context_sdpa(
     return _combine(outputs, scores, rows_may_be_masked=attn_mask is not None).to(query.dtype)
 
 
-def _as_pieces(tensor: torch.Tensor, splits: int, dim: int) -> torch.Tensor:
+def _pieces_view(tensor: torch.Tensor, splits: int, dim: int) -> torch.Tensor:
     """One sequence's `tensor` (`[1, ...]`) cut along the context dimension `dim` into `splits` pieces side by side
     in the batch dimension: `[1, H, L, D]` -> `[splits, H, L / splits, D]`. A view."""
     return tensor[0].unflatten(dim - 1, (splits, -1)).movedim(dim - 1, 0)
