@@ -76,14 +76,15 @@ def decode_paths(spec: ModelSpec, dtype: torch.dtype, seed: int, whole_context: 
         model = build_model(spec, attention, dtype, seed).eval()
         model.load_state_dict(ours.state_dict(), assign=True)
         stock[attention] = model
-    whole = [DecodePath(WHOLE_CONTEXT, ours, {"use_flash_attention": True}, True, whole_context=True)]
-    return [
+    paths = [
         DecodePath("flag", ours, {"use_flash_attention": True}, growing_cache=True),
-        *(whole if whole_context else []),
         DecodePath("default", ours, {"use_flash_attention": False}, growing_cache=True),
         DecodePath("stock sdpa", stock["sdpa"], {}, growing_cache=False),
         DecodePath("stock eager", stock["eager"], {}, growing_cache=False),
     ]
+    if whole_context:
+        paths.insert(1, DecodePath(WHOLE_CONTEXT, ours, {"use_flash_attention": True}, True, whole_context=True))
+    return paths
 
 
 def kv_bytes_per_token(config: Any, dtype: torch.dtype) -> int:
