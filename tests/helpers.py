@@ -21,7 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, PreTrainedConfig, PreTrainedTokenizerFast
 
 from optimum.habana import gaudi_model_class
-from optimum.habana.kernels import local_attention, variable_length
+from optimum.habana.kernels import dispatch, local_attention, variable_length
 from optimum.habana.transformers import attention
 from optimum.habana.transformers.models import GAUDI_CAUSAL_LM_CLASSES
 from optimum.habana.utils.model_loading import CACHE_ENV_VAR, ResolvedModel, resolve_model
@@ -116,6 +116,19 @@ def spy_on_fused_kernel(monkeypatch: pytest.MonkeyPatch, wrap: Callable[[Callabl
     """Replace the fused kernel dispatch (`fused_sdpa`) by `wrap(fused_sdpa)` wherever the attention calls it."""
     for module in KERNEL_CALLERS:
         monkeypatch.setattr(module, "fused_sdpa", wrap(module.fused_sdpa))
+
+
+def count_context_cuts(monkeypatch: pytest.MonkeyPatch) -> Counter:
+    """Count the decode calls `fused_sdpa` cuts along the context (`kernels/split_context.py`), by number of pieces."""
+    cuts: Counter = Counter()
+    cut = dispatch.split_context_sdpa
+
+    def counted(*args, splits: int, **kwargs):
+        cuts[splits] += 1
+        return cut(*args, splits=splits, **kwargs)
+
+    monkeypatch.setattr(dispatch, "split_context_sdpa", counted)
+    return cuts
 
 
 @contextmanager

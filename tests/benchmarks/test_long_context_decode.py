@@ -4,8 +4,8 @@ model and short contexts (the table's columns and the paths' tokens, not its tim
 import pytest
 import torch
 
-from optimum.habana.kernels import dispatch, split_context
-from tests.helpers import load_script
+from optimum.habana.kernels import split_context
+from tests.helpers import count_context_cuts, load_script
 
 
 SCRIPT = "examples/text-generation/benchmark_long_context_decode.py"
@@ -42,9 +42,7 @@ def test_the_whole_context_row_is_the_flag_without_the_cut(capsys, monkeypatch):
     decode steps are cut in two, the whole-context row's are not, and both give the default path's tokens."""
     monkeypatch.setattr(split_context, "MIN_PIECE_TOKENS", 16)
     monkeypatch.setattr(split_context, "MAX_THREAD_USE", 1.0)
-    cuts = []
-    cut = dispatch.split_context_sdpa
-    monkeypatch.setattr(dispatch, "split_context_sdpa", lambda *args, **kwargs: cuts.append(1) or cut(*args, **kwargs))
+    cuts = count_context_cuts(monkeypatch)
     threads = torch.get_num_threads()
     argv = [*SMALL, "--shapes", "1x96", "--steps", "2", "--rounds", "1", "--no-random_cache", "--threads", "2"]
     try:
@@ -57,7 +55,7 @@ def test_the_whole_context_row_is_the_flag_without_the_cut(capsys, monkeypatch):
     assert all(row[-1] == "same" for row in measured)
     assert measured[1][header.index("vs stock")] != "-"
     # The flag alone: 2 steps at the context, 2 at 64 tokens, 2 for the memory column, one layer each.
-    assert len(cuts) == 6
+    assert cuts == {2: 6}
 
 
 @pytest.mark.parametrize("argv", [["--shapes", "1x32"], ["--shapes", "0x512"], ["--steps", "0"], ["--profile", "x"]])

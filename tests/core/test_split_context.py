@@ -8,11 +8,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from optimum.habana.kernels import dispatch, split_context
+from optimum.habana.kernels import split_context
 from optimum.habana.kernels.dispatch import fused_sdpa
 from optimum.habana.kernels.split_context import context_splits, split_context_sdpa
 from optimum.habana.transformers.growing_cache import GrowingCache
-from tests.helpers import CopiedElements, build_pair
+from tests.helpers import CopiedElements, build_pair, count_context_cuts
 
 
 GREEDY = {"do_sample": False, "pad_token_id": 0}
@@ -145,8 +145,7 @@ def test_other_calls_go_to_the_kernel_whole(threads, case):
 def test_compiled_code_calls_the_kernel_whole_in_one_graph(threads, short_pieces, monkeypatch):
     """The thread count cannot be traced: under torch.compile the call goes to the kernel whole, without a break."""
     threads(2)
-    pieces = Counter()
-    monkeypatch.setattr(dispatch, "split_context_sdpa", lambda *args, **kwargs: pieces.update(["split"]))
+    cuts = count_context_cuts(monkeypatch)
     query, key, value = decode_inputs(kv_heads=3, groups=3, length=64)
     query = query.reshape(1, 9, 1, 64)
 
@@ -157,7 +156,7 @@ def test_compiled_code_calls_the_kernel_whole_in_one_graph(threads, short_pieces
     assert explanation.graph_break_count == 0
     output = torch.compile(attend, fullgraph=True)(query, key, value)
     torch.testing.assert_close(output, F.scaled_dot_product_attention(query, key, value, scale=0.125, enable_gqa=True))
-    assert not pieces
+    assert not cuts
 
 
 @pytest.fixture(scope="module")
@@ -179,18 +178,11 @@ def test_generate_cuts_each_decode_step_and_gives_stock_tokens(pair, threads, sh
     """Two key/value heads on four threads: two pieces per call, a tail whenever the context is odd."""
     threads(4)
     ours, stock = pair
-    calls = Counter()
-    cut = dispatch.split_context_sdpa
-
-    def counted(query, key, value, attn_mask, *, scale, splits):
-        calls[splits] += 1
-        return cut(query, key, value, attn_mask, scale=scale, splits=splits)
-
-    monkeypatch.setattr(dispatch, "split_context_sdpa", counted)
+    cuts = count_context_cuts(monkeypatch)
     inputs = prompt_with_padding(20, padding)
     settings = {"max_new_tokens": 10, "min_new_tokens": 10, **GREEDY}
     tokens = ours.generate(**inputs, use_flash_attention=True, **settings)
-    assert calls == {2: 9 * 2}  # every decode step of both layers; the prompt is causal and goes whole
+    assert cuts == {2: 9 * 2}  # every decode step of both layers; the prompt is causal and goes whole
     assert torch.equal(tokens, stock.generate(**inputs, **settings))
 
 

@@ -11,12 +11,12 @@ import torch
 from transformers import DataCollatorWithFlattening
 
 from optimum.habana import gaudi_model_class, supported_model_types
-from optimum.habana.kernels import dispatch, split_context
+from optimum.habana.kernels import split_context
 from optimum.habana.transformers.batch_layout import can_run_packed
 from optimum.habana.transformers.models import family_table
 from tests.families.support import LENGTHS, family_pair, greedy
 from tests.families.tiny_configs import without_dropout
-from tests.helpers import left_padded_batch
+from tests.helpers import count_context_cuts, left_padded_batch
 
 
 pytestmark = pytest.mark.families
@@ -91,9 +91,7 @@ def test_one_sequence_decode_cut_for_idle_threads_gives_stock_tokens(model_type,
     64 threads as far as the decision sees (any head count leaves most idle), pieces of 4 tokens."""
     monkeypatch.setattr(split_context, "MIN_PIECE_TOKENS", 4)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 64)
-    cuts = []
-    cut = dispatch.split_context_sdpa
-    monkeypatch.setattr(dispatch, "split_context_sdpa", lambda *args, **kwargs: cuts.append(1) or cut(*args, **kwargs))
+    cuts = count_context_cuts(monkeypatch)
     ours, stock = family_pair(model_type)
     inputs = left_padded_batch([14])
     reference = greedy(stock, inputs)
