@@ -66,8 +66,10 @@ setup(
     license="Apache-2.0",
     packages=find_namespace_packages(include=["optimum.*"]),
     # The long prompt of run_generation.py's --book_source, and run_lm_eval.py's offline tasks (their YAML files,
-    # flash_mc's items, their README); all written for this project, Apache-2.0 like the code.
+    # flash_mc's items, their README); all written for this project, Apache-2.0 like the code. The CPU decode
+    # kernel's C source, compiled on the user's machine at first use (optimum/habana/kernels/cpu_decode.py).
     package_data={
+        "optimum.habana.kernels": ["*.c"],
         "optimum.habana.cli": ["data/*.txt"],
         "optimum.habana.cli.evaluation.lm_eval": ["tasks/README.md", "tasks/*/*.yaml", "tasks/*/*.jsonl"],
     },

@@ -27,7 +27,9 @@ from optimum.habana.transformers.models import GAUDI_CAUSAL_LM_CLASSES
 from optimum.habana.utils.model_loading import CACHE_ENV_VAR, ResolvedModel, resolve_model
 
 
-FLASH_KERNEL_CPU = "aten::_scaled_dot_product_flash_attention_for_cpu"
+# A fused kernel ran on CPU: PyTorch's flash kernel (an ATen operator) or the decode kernel (`kernels/cpu_decode.py`).
+FUSED_KERNEL_CPU = "a fused kernel ran on CPU"
+_ATEN_FLASH_KERNEL_CPU = "aten::_scaled_dot_product_flash_attention_for_cpu"
 
 
 # 2 layers, 4 query heads over 2 key/value heads (grouped-query attention); fits any decoder config class.
@@ -73,16 +75,17 @@ def left_padded_batch(lengths: list[int], seed: int = 0) -> dict[str, torch.Tens
 
 
 class _KernelCounter(TorchDispatchMode):
-    """Counts the ATen operators that run below autograd, by name (cheap: no profiler events are kept)."""
+    """Counts the ATen operators that run below autograd, under the key each name maps to (cheap: no profiler
+    events are kept)."""
 
-    def __init__(self, counts: Counter, names: set[str]) -> None:
+    def __init__(self, counts: Counter, keys: dict[str, str]) -> None:
         super().__init__()
-        self.counts, self.names = counts, names
+        self.counts, self.keys = counts, keys
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket._qualified_op_name
-        if name in self.names:
-            self.counts[name] += 1
+        if name in self.keys:
+            self.counts[self.keys[name]] += 1
         return func(*args, **(kwargs or {}))
 
 
@@ -131,11 +134,25 @@ def count_context_cuts(monkeypatch: pytest.MonkeyPatch) -> Counter:
     return cuts
 
 
+def count_decode_kernel_calls(monkeypatch: pytest.MonkeyPatch) -> Counter:
+    """Count the calls `fused_sdpa` runs on the CPU decode kernel (`kernels/cpu_decode.py`), by rows per head."""
+    calls: Counter = Counter()
+    attend = dispatch.cpu_decode_sdpa
+
+    def counted(query, *args, **kwargs):
+        calls[query.shape[2]] += 1
+        return attend(query, *args, **kwargs)
+
+    monkeypatch.setattr(dispatch, "cpu_decode_sdpa", counted)
+    return calls
+
+
 @contextmanager
 def count_attention_paths(monkeypatch: pytest.MonkeyPatch, profile: bool = True) -> Iterator[Counter]:
     """Count attention calls per path: "fused" (our kernel dispatch), "default" (matmul-softmax), and, with
-    `profile`, FLASH_KERNEL_CPU, the ATen fused kernel that actually ran in this thread (seen by a dispatch mode,
-    which costs every operation a Python call: tests that need only our dispatch counts leave it off)."""
+    `profile`, FUSED_KERNEL_CPU, the fused kernels that actually ran in this thread: PyTorch's (seen by a dispatch
+    mode, which costs every operation a Python call: tests that need only our dispatch counts leave it off) and the
+    decode kernel."""
     counts: Counter = Counter()
 
     def counted(name, function):
@@ -151,8 +168,9 @@ def count_attention_paths(monkeypatch: pytest.MonkeyPatch, profile: bool = True)
     if not profile:
         yield counts
         return
-    counts[FLASH_KERNEL_CPU] = 0
-    with _KernelCounter(counts, {FLASH_KERNEL_CPU}):
+    counts[FUSED_KERNEL_CPU] = 0
+    monkeypatch.setattr(dispatch, "cpu_decode_sdpa", counted(FUSED_KERNEL_CPU, dispatch.cpu_decode_sdpa))
+    with _KernelCounter(counts, {_ATEN_FLASH_KERNEL_CPU: FUSED_KERNEL_CPU}):
         yield counts
 
 

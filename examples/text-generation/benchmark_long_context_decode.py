@@ -83,10 +83,16 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
         "first shape's context and at 64 tokens.",
     )
     parser.add_argument(
+        "--pytorch_kernel",
+        action="store_true",
+        help="Add a row for the flag on PyTorch's flash kernel instead of the CPU decode kernel "
+        "(optimum.habana.kernels.cpu_decode): what the decode kernel gains.",
+    )
+    parser.add_argument(
         "--whole_context",
         action="store_true",
-        help="Add a row for the flag without cutting a one-sequence decode step's context into pieces for the "
-        "threads (optimum.habana.kernels.split_context): what the cut gains.",
+        help="Add a row for the flag on PyTorch's flash kernel without cutting a one-sequence decode step's context "
+        "into pieces for the threads (optimum.habana.kernels.split_context): what the cut gains.",
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=None, help="Torch threads (default: torch's).")
@@ -105,7 +111,7 @@ def main(argv: list[str] | None = None, control_malloc: bool = False) -> int:
         torch.set_num_threads(arguments.threads)
     spec = ModelSpec(arguments.model_name_or_path, arguments.preset_layers, arguments.preset_intermediate_size)
     dtype, device = torch.float32, torch.device("cpu")
-    paths = decode_paths(spec, dtype, arguments.seed, arguments.whole_context)
+    paths = decode_paths(spec, dtype, arguments.seed, arguments.pytorch_kernel, arguments.whole_context)
     config = paths[0].model.config
     per_token = kv_bytes_per_token(config, dtype)
     weights = model_size_bytes(paths[0].model)

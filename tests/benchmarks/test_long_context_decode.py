@@ -4,8 +4,8 @@ model and short contexts (the table's columns and the paths' tokens, not its tim
 import pytest
 import torch
 
-from optimum.habana.kernels import split_context
-from tests.helpers import count_context_cuts, load_script
+from optimum.habana.kernels import cpu_decode, split_context
+from tests.helpers import count_context_cuts, count_decode_kernel_calls, load_script
 
 
 SCRIPT = "examples/text-generation/benchmark_long_context_decode.py"
@@ -37,25 +37,30 @@ def test_every_path_decodes_the_same_tokens_from_the_same_cache(capsys):
     assert "the whole step (wall clock)" in out and "outside any operator (Python)" in out
 
 
-def test_the_whole_context_row_is_the_flag_without_the_cut(capsys, monkeypatch):
-    """Two threads over SmolLM2's three key/value heads, cut whenever they would idle: the flag's one-sequence
-    decode steps are cut in two, the whole-context row's are not, and both give the default path's tokens."""
+def test_the_pytorch_kernel_and_whole_context_rows_are_the_flag_without_the_kernel_and_the_cut(capsys, monkeypatch):
+    """Two threads over SmolLM2's three key/value heads, cut whenever they would idle: the flag's one-sequence decode
+    steps run on the decode kernel, the PyTorch-kernel row's are cut in two, the whole-context row's are neither,
+    and every row gives the default path's tokens."""
     monkeypatch.setattr(split_context, "MIN_PIECE_TOKENS", 16)
     monkeypatch.setattr(split_context, "MAX_THREAD_USE", 1.0)
     cuts = count_context_cuts(monkeypatch)
+    kernel_calls = count_decode_kernel_calls(monkeypatch)
     threads = torch.get_num_threads()
     argv = [*SMALL, "--shapes", "1x96", "--steps", "2", "--rounds", "1", "--no-random_cache", "--threads", "2"]
     try:
-        assert load_script(SCRIPT).main([*argv, "--whole_context"]) == 0
+        assert load_script(SCRIPT).main([*argv, "--pytorch_kernel", "--whole_context"]) == 0
     finally:
         torch.set_num_threads(threads)
     header, *rows = table_rows(capsys.readouterr().out)
     measured = [row for row in rows if row[0] == "1 x 96"]
-    assert [row[1] for row in measured] == ["flag", "flag, whole context", "default", "stock sdpa", "stock eager"]
+    paths = ["flag", "flag, PyTorch kernel", "flag, whole context", "default", "stock sdpa", "stock eager"]
+    assert [row[1] for row in measured] == paths
     assert all(row[-1] == "same" for row in measured)
-    assert measured[1][header.index("vs stock")] != "-"
-    # The flag alone: 2 steps at the context, 2 at 64 tokens, 2 for the memory column, one layer each.
+    assert measured[1][header.index("vs stock")] != "-" and measured[2][header.index("vs stock")] != "-"
+    # Each row: 2 steps at the context, 2 at 64 tokens, 2 for the memory column, one layer each.
     assert cuts == {2: 6}
+    if cpu_decode._environment_problem() is None:
+        assert kernel_calls == {3: 6}  # the query group of 3 as rows
 
 
 @pytest.mark.parametrize("argv", [["--shapes", "1x32"], ["--shapes", "0x512"], ["--steps", "0"], ["--profile", "x"]])

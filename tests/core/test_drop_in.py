@@ -13,7 +13,7 @@ from transformers import LlamaForCausalLM
 
 from optimum.habana import GaudiLlamaForCausalLM, gaudi_attention_forward
 from optimum.habana.kernels import dispatch
-from tests.helpers import FLASH_KERNEL_CPU, count_attention_paths, left_padded_batch, tiny_llama_config
+from tests.helpers import FUSED_KERNEL_CPU, count_attention_paths, left_padded_batch, tiny_llama_config
 
 
 LAYERS = 2
@@ -208,4 +208,4 @@ def test_a_gaudi_model_survives_a_deep_copy(inputs, monkeypatch):
     assert getattr(model.model.layers[0].self_attn.config, "sliding_window", None) != 1234
     with count_attention_paths(monkeypatch) as counts:
         clone(**inputs, use_flash_attention=True)
-    assert counts["fused"] == counts[FLASH_KERNEL_CPU] == LAYERS
+    assert counts["fused"] == counts[FUSED_KERNEL_CPU] == LAYERS

@@ -14,7 +14,7 @@ from optimum.habana.kernels import variable_length
 from optimum.habana.transformers import attention
 from tests.helpers import (
     FAMILIES,
-    FLASH_KERNEL_CPU,
+    FUSED_KERNEL_CPU,
     SOFT_CAPPED,
     build_pair,
     count_attention_paths,
@@ -59,7 +59,7 @@ def test_a_positional_decoder_call_and_an_explicit_flag_win_over_the_default(mon
     input_ids = left_padded_batch([6])["input_ids"]
     with torch.no_grad(), count_attention_paths(monkeypatch) as counts:
         model.model(input_ids)
-    assert counts["fused"] == counts[FLASH_KERNEL_CPU] == LAYERS
+    assert counts["fused"] == counts[FUSED_KERNEL_CPU] == LAYERS
     with torch.no_grad(), count_attention_paths(monkeypatch, profile=False) as counts:
         model.model(input_ids, use_flash_attention=False)
     assert counts["default"] == LAYERS and counts["fused"] == 0

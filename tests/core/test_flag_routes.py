@@ -8,7 +8,7 @@ import torch
 from optimum.habana import GaudiGenerationConfig, GaudiLlamaForCausalLM
 from optimum.habana.transformers import attention
 from optimum.habana.transformers.attention_flags import resolve_attention_flags
-from tests.helpers import FLASH_KERNEL_CPU, count_attention_paths, tiny_llama_config
+from tests.helpers import FUSED_KERNEL_CPU, count_attention_paths, tiny_llama_config
 
 
 NEW_TOKENS = 3
@@ -47,19 +47,19 @@ def generate(model, inputs, **kwargs) -> torch.Tensor:
 def assert_all_fused(counts) -> None:
     assert counts["fused"] == ATTENTION_CALLS
     assert counts["default"] == 0
-    assert counts[FLASH_KERNEL_CPU] == ATTENTION_CALLS
+    assert counts[FUSED_KERNEL_CPU] == ATTENTION_CALLS
 
 
 def assert_none_fused(counts) -> None:
     assert counts["default"] == ATTENTION_CALLS
     assert counts["fused"] == 0
-    assert counts[FLASH_KERNEL_CPU] == 0
+    assert counts[FUSED_KERNEL_CPU] == 0
 
 
 def test_forward_kwarg(model, inputs, monkeypatch):
     with count_attention_paths(monkeypatch) as counts:
         model(**inputs, use_flash_attention=True)
-    assert counts["fused"] == counts[FLASH_KERNEL_CPU] == LAYERS and counts["default"] == 0
+    assert counts["fused"] == counts[FUSED_KERNEL_CPU] == LAYERS and counts["default"] == 0
     with count_attention_paths(monkeypatch) as counts:
         model(**inputs)
     assert counts["default"] == LAYERS and counts["fused"] == 0

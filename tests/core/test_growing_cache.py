@@ -5,10 +5,12 @@ from collections import Counter
 
 import pytest
 import torch
+import torch.nn.functional as F
 from transformers import DynamicCache, LlamaForCausalLM
 from transformers.cache_utils import DynamicLayer
 
 from optimum.habana import GaudiLlamaForCausalLM
+from optimum.habana.kernels import dispatch
 from optimum.habana.transformers import growing_cache
 from optimum.habana.transformers.growing_cache import GrowingCache, GrowingLayer, grown_capacity
 from tests.helpers import CopiedElements, build_pair, left_padded_batch, tiny_llama_config
@@ -131,17 +133,21 @@ def test_a_decode_step_copies_nothing_that_grows_with_the_context(pair, use_flas
 
 
 def test_the_fused_kernel_reads_the_filled_slots_of_the_storage_itself(pair, monkeypatch):
-    """Each decode step's kernel call gets views of the cache's storage (no copy), each key/value head once for its
-    whole query group (the group's two queries are its rows: no repeat, no broadcast) and the filled slots only."""
+    """Each decode step's kernel call (PyTorch's, or the CPU decode kernel) gets views of the cache's storage (no
+    copy), each key/value head once for its whole query group (the group's two queries are its rows: no repeat, no
+    broadcast) and the filled slots only."""
     ours, _ = pair
     seen = []
-    kernel = torch.nn.functional.scaled_dot_product_attention
 
-    def spy(query, key, value, *args, **kwargs):
-        seen.append((query.shape, key, value, kwargs.get("enable_gqa")))
-        return kernel(query, key, value, *args, **kwargs)
+    def spy_on(kernel):
+        def spy(query, key, value, *args, **kwargs):
+            seen.append((query.shape, key, value, kwargs.get("enable_gqa")))
+            return kernel(query, key, value, *args, **kwargs)
 
-    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+        return spy
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy_on(F.scaled_dot_product_attention))
+    monkeypatch.setattr(dispatch, "cpu_decode_sdpa", spy_on(dispatch.cpu_decode_sdpa))
     cache = GrowingCache(ours.config, max_cache_len=64)
     inputs = left_padded_batch([9, 9], seed=5)
     ours.generate(

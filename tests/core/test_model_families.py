@@ -14,7 +14,7 @@ from optimum.habana.kernels import dispatch
 from optimum.habana.transformers.cache import BucketedStaticCache
 from tests.helpers import (
     FAMILIES,
-    FLASH_KERNEL_CPU,
+    FUSED_KERNEL_CPU,
     SLIDING_WINDOW_CONFIGS,
     SOFT_CAPPED,
     TINY_SIZES,
@@ -83,7 +83,7 @@ def test_flash_tokens_equal_stock_eager(model_type, lengths, cache_implementatio
         assert counts["fused"] == 0 and counts["default"] == 2 * ATTENTION_CALLS
         assert len(notes) == 1 and "soft-caps its attention logits (softcap=50.0)" in notes[0]
     else:
-        assert counts["fused"] == counts[FLASH_KERNEL_CPU] == 2 * ATTENTION_CALLS
+        assert counts["fused"] == counts[FUSED_KERNEL_CPU] == 2 * ATTENTION_CALLS
         assert counts["default"] == 0 and notes == []
 
 

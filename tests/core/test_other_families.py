@@ -5,7 +5,7 @@ import torch
 from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 import optimum.habana  # noqa: F401  (registers the "gaudi" attention and its mask function)
-from tests.helpers import FLASH_KERNEL_CPU, TINY_SIZES, count_attention_paths
+from tests.helpers import FUSED_KERNEL_CPU, TINY_SIZES, count_attention_paths
 
 
 @pytest.mark.parametrize(
@@ -23,6 +23,6 @@ def test_forward_with_the_flag_matches_eager(config_class, model_class, monkeypa
     with torch.no_grad(), count_attention_paths(monkeypatch) as counts:
         flash = gaudi(input_ids, attention_mask=attention_mask, use_flash_attention=True).logits
     reference = eager(input_ids, attention_mask=attention_mask).logits
-    assert counts["fused"] == counts[FLASH_KERNEL_CPU] == 2 and counts["default"] == 0
+    assert counts["fused"] == counts[FUSED_KERNEL_CPU] == 2 and counts["default"] == 0
     real = attention_mask.bool()
     assert (flash[real] - reference[real]).abs().max() <= 1e-4

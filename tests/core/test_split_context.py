@@ -1,6 +1,7 @@
 """A CPU decode step of one sequence, its context cut into pieces so that every thread reads a share of the cache:
 the same attention as the whole kernel (masks, pieces masked whole, a tail that does not divide), views of the
-cache and no copy, and the same greedy tokens as stock."""
+cache and no copy, and the same greedy tokens as stock. The cut runs where the CPU decode kernel does not (bfloat16,
+float16, or no kernel built): these tests turn the kernel off."""
 
 from collections import Counter
 
@@ -8,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from optimum.habana.kernels import split_context
+from optimum.habana.kernels import cpu_decode, split_context
 from optimum.habana.kernels.dispatch import fused_sdpa
 from optimum.habana.kernels.split_context import context_splits, split_context_sdpa
 from optimum.habana.transformers.growing_cache import GrowingCache
@@ -16,6 +17,11 @@ from tests.helpers import CopiedElements, build_pair, count_context_cuts
 
 
 GREEDY = {"do_sample": False, "pad_token_id": 0}
+
+
+@pytest.fixture(autouse=True)
+def without_decode_kernel(monkeypatch):
+    monkeypatch.setenv(cpu_decode.ENV_VAR, "0")
 
 
 @pytest.fixture

@@ -11,12 +11,12 @@ import torch
 from transformers import DataCollatorWithFlattening
 
 from optimum.habana import gaudi_model_class, supported_model_types
-from optimum.habana.kernels import split_context
+from optimum.habana.kernels import cpu_decode, split_context
 from optimum.habana.transformers.batch_layout import can_run_packed
 from optimum.habana.transformers.models import family_table
 from tests.families.support import LENGTHS, family_pair, greedy
 from tests.families.tiny_configs import without_dropout
-from tests.helpers import count_context_cuts, left_padded_batch
+from tests.helpers import count_context_cuts, count_decode_kernel_calls, left_padded_batch
 
 
 pytestmark = pytest.mark.families
@@ -88,7 +88,9 @@ def test_static_cache_generate_gives_stock_tokens(model_type):
 @pytest.mark.parametrize("model_type", FAMILY_TYPES)
 def test_one_sequence_decode_cut_for_idle_threads_gives_stock_tokens(model_type, monkeypatch):
     """The context cut of a one-sequence CPU decode step (`kernels/split_context.py`), made to run for every family:
-    64 threads as far as the decision sees (any head count leaves most idle), pieces of 4 tokens."""
+    64 threads as far as the decision sees (any head count leaves most idle), pieces of 4 tokens, and the CPU decode
+    kernel, which runs fp32 decode steps before the cut is considered, turned off."""
+    monkeypatch.setenv(cpu_decode.ENV_VAR, "0")
     monkeypatch.setattr(split_context, "MIN_PIECE_TOKENS", 4)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 64)
     cuts = count_context_cuts(monkeypatch)
@@ -100,6 +102,20 @@ def test_one_sequence_decode_cut_for_idle_threads_gives_stock_tokens(model_type,
     # (value heads of another size) goes whole, and soft-capped logits take the default path.
     may_go_whole = {"soft-capped logits", "latent attention (value head size differs from the query's)"}
     assert cuts or may_go_whole & set(family_table()[model_type].variants)
+
+
+@pytest.mark.parametrize("model_type", FAMILY_TYPES)
+def test_decode_steps_on_the_cpu_decode_kernel_give_stock_tokens(model_type, monkeypatch):
+    """fp32 decode steps on CPU run on the decode kernel (`kernels/cpu_decode.py`), padded batch included."""
+    if cpu_decode._environment_problem() is not None:
+        pytest.skip(f"no decode kernel here: {cpu_decode._environment_problem()}")
+    calls = count_decode_kernel_calls(monkeypatch)
+    ours, stock = family_pair(model_type)
+    inputs = left_padded_batch(LENGTHS)
+    reference = greedy(stock, inputs)
+    assert torch.equal(greedy(ours, inputs, use_flash_attention=True), reference)
+    may_go_whole = {"soft-capped logits", "latent attention (value head size differs from the query's)"}
+    assert calls or may_go_whole & set(family_table()[model_type].variants)
 
 
 @pytest.mark.parametrize("model_type", FAMILY_TYPES)

@@ -21,7 +21,7 @@ from optimum.habana.cli.finetuning import data as finetuning_data
 from optimum.habana.cli.finetuning import modeling, prompts
 from optimum.habana.cli.finetuning.data import IGNORE_INDEX, FineTuningError
 from tests.finetuning.support import DATA_FILE, SCRIPT, TOLERANCE, Run, run_script, script_args
-from tests.helpers import FLASH_KERNEL_CPU, load_script, tiny_config
+from tests.helpers import FUSED_KERNEL_CPU, load_script, tiny_config
 
 
 # Three training steps on padded batches of 4, evaluation, and a short generation at the end.
@@ -73,7 +73,7 @@ def test_kernel_runs_every_attention_call_with_the_flag(runs, variant):
     assert run.metrics["eval_loss"] > 0 and len(run.metrics["generations"]) == 2
     assert run.counts["default"] == 0
     assert run.counts["fused"] > 0
-    assert run.counts[FLASH_KERNEL_CPU] > 0
+    assert run.counts[FUSED_KERNEL_CPU] > 0
 
 
 @pytest.mark.parametrize("variant", ["default", "flash"])
@@ -96,7 +96,7 @@ def test_default_path_without_the_flag(runs):
     run = runs["default"]
     assert run.counts["default"] > 0
     assert run.counts["fused"] == 0
-    assert run.counts[FLASH_KERNEL_CPU] == 0
+    assert run.counts[FUSED_KERNEL_CPU] == 0
 
 
 def test_gradient_checkpointing_forces_recompute(runs):

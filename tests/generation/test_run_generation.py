@@ -29,7 +29,7 @@ from tests.generation.support import (
     start_script,
     tiny_argv,
 )
-from tests.helpers import FAMILIES, FLASH_KERNEL_CPU, count_attention_paths, save_tiny_checkpoint, spy_on_fused_kernel
+from tests.helpers import FAMILIES, FUSED_KERNEL_CPU, count_attention_paths, save_tiny_checkpoint, spy_on_fused_kernel
 
 
 STATS_FIELDS = {
@@ -127,7 +127,7 @@ def test_flag_sends_every_attention_call_to_the_fused_kernel(script, tiny_checkp
         assert script.main(tiny_argv(tiny_checkpoint, "--use_flash_attention")) == 0
     assert counts["fused"] == layers * steps
     assert counts["default"] == 0
-    assert counts[FLASH_KERNEL_CPU] == counts["fused"]  # the real ATen flash kernel ran for each of them
+    assert counts[FUSED_KERNEL_CPU] == counts["fused"]  # the real ATen flash kernel ran for each of them
     assert "attention: fused kernel" in capsys.readouterr().out
 
 
@@ -136,7 +136,7 @@ def test_no_flag_runs_the_default_attention(script, tiny_checkpoint, monkeypatch
         assert script.main(tiny_argv(tiny_checkpoint)) == 0
     assert counts["fused"] == 0
     assert counts["default"] == 2 * 4
-    assert counts[FLASH_KERNEL_CPU] == 0
+    assert counts[FUSED_KERNEL_CPU] == 0
 
 
 def test_every_flash_flag_reaches_the_kernel(script, tiny_checkpoint, monkeypatch):

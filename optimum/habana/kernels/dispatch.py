@@ -16,6 +16,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers.utils.import_utils import is_tracing
 
 from ..hpu import HPUKernel, hpu_kernel, on_hpu
+from .cpu_decode import cpu_decode_applies, cpu_decode_sdpa
 from .decode import query_groups_as_rows
 from .sinks import with_sink_key
 from .split_context import context_splits, split_context_sdpa
@@ -121,6 +122,9 @@ def fused_sdpa(
     if valid_sequence_lengths is not None and padding_side != "right":
         # PyTorch's kernels have no valid-length mode; right padding is exact under `is_causal` for the real tokens.
         raise ValueError("valid_sequence_lengths with left padding runs on Gaudi only: permute the rows first")
+    if cpu_decode_applies(query, key, value, attn_mask, is_causal=is_causal, dropout_p=dropout_p):
+        # A decode step on CPU (fp32): the kernel built for it reads the cache at memory speed, on every thread.
+        return cpu_decode_sdpa(query, key, value, attn_mask, scale=scale)
     splits = context_splits(query, key, value, attn_mask, is_causal=is_causal, dropout_p=dropout_p)
     if splits > 1:  # one sequence's decode step on CPU: its context in pieces, so that every thread reads a share
         return split_context_sdpa(query, key, value, attn_mask, scale=scale, splits=splits)

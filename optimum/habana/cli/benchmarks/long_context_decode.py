@@ -11,6 +11,7 @@ read the keys and values once at the read rate a batch-1 linear layer reaches in
 
 import contextlib
 import ctypes
+import os
 import statistics
 import sys
 import time
@@ -25,18 +26,22 @@ from transformers.cache_utils import Cache
 
 from optimum.habana.cli.benchmarks.compiled_decode import median_seconds
 from optimum.habana.cli.benchmarks.models import ModelSpec, build_model
-from optimum.habana.kernels import split_context
+from optimum.habana.kernels import cpu_decode, dispatch, split_context
 from optimum.habana.transformers.growing_cache import GrowingCache
 from optimum.habana.utils.devices import memory_stats, reset_peak_memory, synchronize
 
 
 BASE_CONTEXT = 64  # tokens: the context whose step time the context cost is measured from
 PATHS = ("flag", "default", "stock sdpa", "stock eager")
-WHOLE_CONTEXT = "flag, whole context"  # the flag without cutting a decode step's context (`kernels.split_context`)
+# The flag on PyTorch's flash kernel, without `kernels.cpu_decode`'s decode kernel (the context still cut where
+# `kernels.split_context` would), and on PyTorch's kernel with each decode step's context in one call.
+PYTORCH_KERNEL = "flag, PyTorch kernel"
+WHOLE_CONTEXT = "flag, whole context"
 # Each path's whole step is compared with this one's, same shape, same run.
-REFERENCE = {"flag": "stock sdpa", WHOLE_CONTEXT: "stock sdpa", "default": "stock eager"}
+REFERENCE = {"flag": "stock sdpa", PYTORCH_KERNEL: "stock sdpa", WHOLE_CONTEXT: "stock sdpa", "default": "stock eager"}
 MIB = 1024**2
 STEP = "the whole step (wall clock)"
+DECODE_KERNEL = "optimum.habana.kernels.cpu_decode (the decode kernel)"
 
 
 @dataclass(frozen=True)
@@ -45,6 +50,7 @@ class DecodePath:
     model: torch.nn.Module
     forward_kwargs: dict[str, Any]
     growing_cache: bool  # the cache a Gaudi model's generate() builds, or stock's DynamicCache
+    decode_kernel: bool = True  # the CPU decode kernel where it applies (off: PyTorch's flash kernel)
     whole_context: bool = False  # never cut the context of a decode step into pieces
 
 
@@ -67,9 +73,12 @@ class PathTiming:
         return self.long_step - statistics.median(self.base_steps)
 
 
-def decode_paths(spec: ModelSpec, dtype: torch.dtype, seed: int, whole_context: bool = False) -> list[DecodePath]:
-    """The four paths over one set of weights (the stock models share the Gaudi model's tensors); with
-    `whole_context`, a fifth: the flag with each decode step's context in one kernel call."""
+def decode_paths(
+    spec: ModelSpec, dtype: torch.dtype, seed: int, pytorch_kernel: bool = False, whole_context: bool = False
+) -> list[DecodePath]:
+    """The four paths over one set of weights (the stock models share the Gaudi model's tensors), and on request the
+    flag on PyTorch's flash kernel (`pytorch_kernel`), and with each decode step's context in one call of it
+    (`whole_context`): what the decode kernel and the context cut gain."""
     ours = build_model(spec, "flash", dtype, seed).eval()
     stock = {}
     for attention in ("sdpa", "eager"):
@@ -82,8 +91,11 @@ def decode_paths(spec: ModelSpec, dtype: torch.dtype, seed: int, whole_context: 
         DecodePath("stock sdpa", stock["sdpa"], {}, growing_cache=False),
         DecodePath("stock eager", stock["eager"], {}, growing_cache=False),
     ]
+    flag = {"use_flash_attention": True}
     if whole_context:
-        paths.insert(1, DecodePath(WHOLE_CONTEXT, ours, {"use_flash_attention": True}, True, whole_context=True))
+        paths.insert(1, DecodePath(WHOLE_CONTEXT, ours, flag, True, decode_kernel=False, whole_context=True))
+    if pytorch_kernel:
+        paths.insert(1, DecodePath(PYTORCH_KERNEL, ours, flag, True, decode_kernel=False))
     return paths
 
 
@@ -144,8 +156,11 @@ def timed_steps(
     """`steps` greedy decode steps: each one's seconds, and the tokens."""
     device = first_token.device
     token, tokens, seconds = first_token, [], []
-    context = mock.patch.object(split_context, "MIN_PIECE_TOKENS", sys.maxsize)
-    with context if path.whole_context else contextlib.nullcontext():
+    with contextlib.ExitStack() as settings:
+        if not path.decode_kernel:
+            settings.enter_context(mock.patch.dict(os.environ, {cpu_decode.ENV_VAR: "0"}))
+        if path.whole_context:
+            settings.enter_context(mock.patch.object(split_context, "MIN_PIECE_TOKENS", sys.maxsize))
         for _ in range(steps):
             synchronize(device)
             start = time.perf_counter()
@@ -220,10 +235,23 @@ def profiled_step(
 
     timed_steps(path, filled_cache(path, kv, length, steps), first_token, 2)  # warm
     cache = filled_cache(path, kv, length, steps)
-    with profile(activities=[ProfilerActivity.CPU]) as profiler:
+    # The decode kernel is a C function, no operator: named here, or its time would count as Python's.
+    annotated = _profiled_as(DECODE_KERNEL, dispatch.cpu_decode_sdpa)
+    with (
+        profile(activities=[ProfilerActivity.CPU]) as profiler,
+        mock.patch.object(dispatch, "cpu_decode_sdpa", annotated),
+    ):
         seconds, _ = timed_steps(path, cache, first_token, steps)
     operators = {event.key: event.self_cpu_time_total / 1e6 / steps for event in profiler.key_averages()}
     return {**operators, STEP: sum(seconds) / steps}
+
+
+def _profiled_as(name: str, function: Callable) -> Callable:
+    def annotated(*args, **kwargs):
+        with torch.profiler.record_function(name):
+            return function(*args, **kwargs)
+
+    return annotated
 
 
 def linear_read_rate(device: torch.device, dtype: torch.dtype, mib: int = 256, repeats: int = 9) -> float:
@@ -269,6 +297,7 @@ __all__ = [
     "BASE_CONTEXT",
     "MIB",
     "PATHS",
+    "PYTORCH_KERNEL",
     "REFERENCE",
     "SETTLED_MMAP_THRESHOLD",
     "STEP",

@@ -1,0 +1,229 @@
+"""A decode step's attention on CPU at the speed of reading the cache, built from `cpu_decode.c` on first use.
+
+At long context a decode step is bound by reading the KV cache, but PyTorch's CPU flash kernel is not: its small
+matrix products (a few query rows against blocks of keys) and its softmax made it take about 2x the time of one read
+of the cache on a decode step, in every formulation measured (docs/benchmarks.md). `cpu_decode.c` does what such a
+step needs and nothing else: each key's dot products with the head's few query rows while the key is in cache, an
+exp that vectorises, the weighted sum of the values, the context cut into chunks so that every thread reads a share
+(flash-decoding), and the chunks combined exactly.
+
+It is compiled for this machine (`-march=native`, one library per head size) into the library's cache folder the
+first time a decode step needs it, in about a second, and runs on PyTorch's own OpenMP threads (the library links
+the `libgomp` PyTorch has loaded: a second OpenMP runtime's threads would fight PyTorch's for the cores). Where it
+cannot be built (no C compiler, no `libgomp` in this process), one warning says so and PyTorch's kernel runs.
+`OPTIMUM_HABANA_CPU_DECODE_KERNEL=0` turns it off.
+"""
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import warnings
+from pathlib import Path
+
+import torch
+
+from ..utils.model_loading import cache_root
+
+
+SOURCE = Path(__file__).with_name("cpu_decode.c")
+ENV_VAR = "OPTIMUM_HABANA_CPU_DECODE_KERNEL"
+# A decode step's query group, or a few speculative tokens: the kernel keeps rows x CHUNK_MAX scores per thread.
+MAX_QUERY_ROWS = 32
+MAX_HEAD_DIM = 512
+# Each (sequence, head) is cut into at least 2 x threads chunks in all, so the threads share the reads evenly; a
+# chunk's scores stay in a core's cache below CHUNK_MAX tokens, and below CHUNK_MIN the combine costs more than the
+# balance gains (both measured at 1 x 8192 tokens, SmolLM2's geometry, 2 threads: 512-2048 within 5%).
+CHUNK_MIN = 256
+CHUNK_MAX = 2048
+# Vectorisation without -ffast-math's assumption that nothing is infinite (masked scores are -inf).
+FLAGS = (
+    "-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math", "-fno-signed-zeros",
+    "-fopenmp", "-shared", "-fPIC",
+)  # fmt: skip
+
+
+def cpu_decode_applies(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    *,
+    is_causal: bool,
+    dropout_p: float,
+) -> bool:
+    """Whether this call runs on the decode kernel: an eager fp32 call on CPU without gradients, a few query rows
+    per head (the caller stacks a decode step's query group as rows), equal head counts and sizes, the head size
+    contiguous, no causal mask and no dropout. Decided from shapes and settings; builds the kernel the first time."""
+    if (
+        torch.compiler.is_compiling()
+        or query.device.type != "cpu"
+        or any(tensor.dtype != torch.float32 for tensor in (query, key, value))
+        or is_causal
+        or dropout_p
+        or query.shape[2] > MAX_QUERY_ROWS
+        or len({query.shape[1], key.shape[1], value.shape[1]}) > 1
+        or len({query.shape[-1], key.shape[-1], value.shape[-1]}) > 1
+        or query.shape[-1] > MAX_HEAD_DIM
+        or query.shape[0] != key.shape[0]
+        or any(tensor.stride(-1) != 1 for tensor in (query, key, value))
+        or key.shape[2] == 0
+    ):
+        return False
+    if torch.is_grad_enabled() and any(tensor.requires_grad for tensor in (query, key, value)):
+        return False
+    if attn_mask is not None and not _mask_fits(attn_mask, (*query.shape[:3], key.shape[2])):
+        return False
+    return os.environ.get(ENV_VAR, "1") != "0" and decode_kernel(query.shape[-1]) is not None
+
+
+def _mask_fits(attn_mask: torch.Tensor, shape: tuple[int, ...]) -> bool:
+    try:
+        return attn_mask.dim() == 4 and torch.broadcast_shapes(attn_mask.shape, shape) == shape
+    except RuntimeError:
+        return False
+
+
+def cpu_decode_sdpa(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    *,
+    scale: float,
+) -> torch.Tensor:
+    """Attention of a few query rows `[B, H, q, D]` over `[B, H, L, D]` on the decode kernel (`cpu_decode_applies`
+    has said yes). `attn_mask`: boolean (True = attend) or additive, broadcastable to `[B, H, q, L]`."""
+    batch, heads, rows, head_dim = query.shape
+    length = key.shape[2]
+    additive = allowed = None
+    mask_strides = (0, 0, 0, 0)
+    if attn_mask is not None:
+        attn_mask = attn_mask.expand(batch, heads, rows, length)
+        if attn_mask.dtype == torch.bool:
+            allowed = attn_mask.data_ptr()
+        else:
+            attn_mask = attn_mask.to(torch.float32)  # a view where it is float32 already, as the flag's masks are
+            additive = attn_mask.data_ptr()
+        mask_strides = attn_mask.stride()
+    output = torch.empty(batch, heads, rows, head_dim)
+    threads = torch.get_num_threads()
+    pieces_per_head = -(-2 * threads // (batch * heads))
+    chunk = min(CHUNK_MAX, max(CHUNK_MIN, -(-length // pieces_per_head)))
+    failed = decode_kernel(head_dim)(
+        query.data_ptr(), *query.stride()[:3],
+        key.data_ptr(), *key.stride()[:3],
+        value.data_ptr(), *value.stride()[:3],
+        additive, allowed, *mask_strides,
+        output.data_ptr(), batch, heads, rows, length, scale, chunk, threads,
+    )  # fmt: skip
+    if failed:
+        raise MemoryError(f"the CPU decode kernel could not allocate its scratch for {batch} x {heads} x {rows} rows")
+    return output
+
+
+@functools.cache
+def decode_kernel(head_dim: int):
+    """The kernel's function for this head size, built or loaded from the cache folder; None (after one warning)
+    where it cannot be built here."""
+    problem = _environment_problem()
+    if problem is None:
+        try:
+            kernel = ctypes.CDLL(str(_built_library(head_dim))).decode_attention_f32
+        except (OSError, subprocess.CalledProcessError) as error:
+            details = (getattr(error, "stderr", "") or str(error)).strip().splitlines() or ["no output"]
+            problem = f"building it for head size {head_dim} failed: {details[-1]}"
+    if problem is not None:
+        warnings.warn(
+            f"The CPU decode kernel cannot run here ({problem}): decode steps run on PyTorch's flash kernel, "
+            f"about half as fast at long context. Set {ENV_VAR}=0 to silence this.",
+            UserWarning,
+            stacklevel=2,
+        )
+        return None
+    integer, pointer = ctypes.c_int64, ctypes.c_void_p
+    kernel.argtypes = [
+        pointer, integer, integer, integer,
+        pointer, integer, integer, integer,
+        pointer, integer, integer, integer,
+        pointer, pointer, integer, integer, integer, integer,
+        pointer, integer, integer, integer, integer, ctypes.c_float, integer, ctypes.c_int,
+    ]  # fmt: skip
+    kernel.restype = ctypes.c_int
+    return kernel
+
+
+@functools.cache
+def _environment_problem() -> str | None:
+    """Why no kernel can be built in this process, or None."""
+    if _compiler() is None:
+        return "no C compiler: install gcc, or name one in CC"
+    if _openmp_library() is None:
+        return "PyTorch here does not run on GNU OpenMP (libgomp), whose threads the kernel shares"
+    return None
+
+
+def _compiler() -> str | None:
+    return shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+
+
+@functools.cache
+def _openmp_library() -> Path | None:
+    """The `libgomp` this process has loaded (PyTorch's own copy, in pip's builds)."""
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return None
+    for line in maps.splitlines():
+        path = line.split()[-1]
+        if "/libgomp" in path and ".so" in path:
+            return Path(path)
+    return None
+
+
+def _built_library(head_dim: int) -> Path:
+    """The library for `head_dim`, compiled once per source, flags, compiler, OpenMP runtime and CPU into the cache
+    folder (atomically: a killed build leaves no half library to load). Where the cache folder cannot be written it
+    is built for this process alone, in a new temporary folder (a shared one could hold anyone's library)."""
+    compiler, openmp = _compiler(), _openmp_library()
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
+    fingerprint = hashlib.sha256(SOURCE.read_bytes())
+    for part in (*FLAGS, str(head_dim), compiler, version, str(openmp), _cpu_features()):
+        fingerprint.update(part.encode())
+    name = f"cpu_decode_d{head_dim}_{fingerprint.hexdigest()[:16]}.so"
+    folder = cache_root() / "kernels"
+    if (folder / name).is_file():
+        return folder / name
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        descriptor, building = tempfile.mkstemp(prefix=f".{name}.", suffix=".so", dir=folder)
+    except OSError:
+        folder = Path(tempfile.mkdtemp(prefix="optimum-habana-kernels-"))
+        descriptor, building = tempfile.mkstemp(prefix=f".{name}.", suffix=".so", dir=folder)
+    os.close(descriptor)
+    command = [compiler, *FLAGS, f"-DHEAD_DIM={head_dim}", str(SOURCE), "-o", building]
+    command += [str(openmp), f"-Wl,-rpath,{openmp.parent}", "-lm"]
+    try:
+        subprocess.run(command, capture_output=True, text=True, check=True)
+        os.replace(building, folder / name)
+    finally:
+        if os.path.exists(building):
+            os.unlink(building)
+    return folder / name
+
+
+def _cpu_features() -> str:
+    """The CPU's model and instruction sets: a library built with -march=native on another CPU (a cache folder
+    shared between machines) may use instructions this one lacks."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor() or platform.machine()
+    return "\n".join(next((line for line in lines if line.startswith(field)), "") for field in ("model name", "flags"))
+
+
+__all__ = ["ENV_VAR", "cpu_decode_applies", "cpu_decode_sdpa", "decode_kernel"]

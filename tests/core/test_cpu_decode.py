@@ -1,0 +1,303 @@
+"""The CPU decode kernel (`kernels/cpu_decode.c`): PyTorch's flash kernel's results for a decode step's shapes and
+masks on any thread count, read from the cache in place, and stock's greedy tokens; the calls it takes and those it
+leaves; built once per machine, atomically, and where it cannot be built, one warning and PyTorch's kernel."""
+
+import subprocess
+import warnings
+from collections import Counter
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from optimum.habana.kernels import cpu_decode
+from optimum.habana.kernels.cpu_decode import cpu_decode_applies, cpu_decode_sdpa
+from optimum.habana.kernels.dispatch import fused_sdpa
+from optimum.habana.transformers.growing_cache import GrowingCache
+from tests.helpers import CopiedElements, build_pair, count_decode_kernel_calls, left_padded_batch
+
+
+needs_kernel = pytest.mark.skipif(
+    cpu_decode._environment_problem() is not None, reason=f"no decode kernel here: {cpu_decode._environment_problem()}"
+)
+GREEDY = {"do_sample": False, "pad_token_id": 0}
+
+
+@pytest.fixture
+def threads():
+    """Set the torch thread count for one test (the suite runs one per worker)."""
+    before = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(before)
+
+
+@pytest.fixture
+def fresh_build(tmp_path, monkeypatch):
+    """An empty cache folder and no kernel loaded yet in this process; afterwards the real cache folder again."""
+    monkeypatch.setattr(cpu_decode, "cache_root", lambda: tmp_path)
+    monkeypatch.delenv("CC", raising=False)
+    for cached in (cpu_decode.decode_kernel, cpu_decode._environment_problem):
+        cached.cache_clear()
+    yield tmp_path / "kernels"
+    for cached in (cpu_decode.decode_kernel, cpu_decode._environment_problem):
+        cached.cache_clear()
+
+
+def decode_inputs(batch: int, heads: int, rows: int, length: int, head_dim: int, seed: int = 0):
+    generator = torch.Generator().manual_seed(seed)
+    query = torch.randn(batch, heads, rows, head_dim, generator=generator)
+    # Views of a longer storage, as a cache's filled slots are.
+    key, value = (torch.randn(batch, heads, length + 9, head_dim, generator=generator)[:, :, :length] for _ in "kv")
+    return query, key, value
+
+
+SHAPES = {
+    "one sequence, a query group of 3 as rows": (1, 3, 3, 4099, 64),
+    "a padded batch, one row per head": (4, 2, 1, 600, 64),
+    "one cached token": (2, 2, 4, 1, 128),
+    "heads of 256, a group of 8": (1, 1, 8, 3000, 256),
+    "heads of 80": (2, 4, 2, 777, 80),
+}
+
+
+def masks(batch: int, heads: int, rows: int, length: int) -> dict[str, torch.Tensor | None]:
+    generator = torch.Generator().manual_seed(1)
+    padding = torch.ones(batch, 1, 1, length, dtype=torch.bool)
+    padding[0, ..., : length // 2] = False  # the first sequence left-padded over half its context
+    per_row = torch.rand(batch, heads, rows, length, generator=generator) > 0.4
+    per_row[0, 0, 0] = False  # a row that may attend to nothing
+    return {
+        "none": None,
+        "boolean padding": padding,
+        "boolean per head and row": per_row,
+        "additive -inf per head and row": torch.where(per_row, 0.0, -torch.inf),
+        "additive finfo.min": torch.where(padding, 0.0, torch.finfo(torch.float32).min),
+    }
+
+
+@needs_kernel
+@pytest.mark.parametrize("mask_name", list(masks(1, 1, 1, 2)))
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_the_kernel_gives_pytorchs_flash_attention(shape, mask_name):
+    batch, heads, rows, length, head_dim = SHAPES[shape]
+    query, key, value = decode_inputs(batch, heads, rows, length, head_dim)
+    mask = masks(batch, heads, rows, length)[mask_name]
+    assert cpu_decode_applies(query, key, value, mask, is_causal=False, dropout_p=0.0)
+    expected = F.scaled_dot_product_attention(query, key, value, mask)
+    output = cpu_decode_sdpa(query, key, value, mask, scale=head_dim**-0.5)
+    assert output.shape == expected.shape and output.dtype == torch.float32
+    torch.testing.assert_close(output, expected, rtol=1e-5, atol=1e-6)
+
+
+@needs_kernel
+def test_a_row_that_may_attend_to_nothing_is_zero_as_in_pytorchs_kernel():
+    query, key, value = decode_inputs(2, 2, 3, 3000, 64)
+    mask = torch.zeros(2, 1, 1, 3000, dtype=torch.bool)
+    mask[1] = True
+    expected = F.scaled_dot_product_attention(query, key, value, mask)
+    assert expected[0].abs().max() == 0
+    output = cpu_decode_sdpa(query, key, value, mask, scale=0.125)
+    assert output[0].abs().max() == 0
+    torch.testing.assert_close(output, expected, rtol=1e-5, atol=1e-6)
+
+
+@needs_kernel
+@pytest.mark.parametrize("thread_count", [1, 2, 3])
+@pytest.mark.parametrize("length", [300, 8193])  # one chunk a head, or chunks and a short last one
+def test_any_thread_count_gives_the_same_attention(threads, thread_count, length):
+    threads(thread_count)
+    query, key, value = decode_inputs(1, 3, 3, length, 64)
+    expected = F.scaled_dot_product_attention(query, key, value)
+    torch.testing.assert_close(cpu_decode_sdpa(query, key, value, None, scale=0.125), expected, rtol=1e-5, atol=1e-6)
+
+
+@needs_kernel
+def test_fused_sdpa_runs_a_grouped_decode_step_on_the_kernel(monkeypatch):
+    """Nine query heads over three key/value heads, one new token: the query group becomes three rows of its head."""
+    calls = count_decode_kernel_calls(monkeypatch)
+    query, key, value = decode_inputs(1, 3, 3, 2000, 64)
+    query = query.reshape(1, 9, 1, 64)
+    mask = masks(1, 1, 1, 2000)["boolean padding"]
+    output = fused_sdpa(query, key, value, mask, is_causal=False, scale=0.125)
+    expected = F.scaled_dot_product_attention(query, key, value, mask, scale=0.125, enable_gqa=True)
+    torch.testing.assert_close(output, expected, rtol=1e-5, atol=1e-6)
+    assert calls == {3: 1}
+
+
+CASES_LEFT_TO_PYTORCH = [
+    "bfloat16",
+    "gradients",
+    "causal",
+    "dropout",
+    "a prompt's rows",
+    "heads not stacked",
+    "value heads of another size",
+    "heads of 1024",
+    "a head size that is not contiguous",
+    "a mask of 3 dimensions",
+    "a mask of another context",
+    "turned off",
+    "compiling",
+]
+
+
+@needs_kernel
+@pytest.mark.parametrize("case", CASES_LEFT_TO_PYTORCH)
+def test_the_calls_it_leaves_to_pytorchs_kernel(case, monkeypatch):
+    query, key, value = decode_inputs(1, 2, 4, 512, 64)
+    mask, options = None, {"is_causal": False, "dropout_p": 0.0}
+    assert cpu_decode_applies(query, key, value, mask, **options)
+    if case == "bfloat16":
+        query, key, value = (tensor.bfloat16() for tensor in (query, key, value))
+    elif case == "gradients":
+        query.requires_grad_()
+    elif case == "causal":
+        options["is_causal"] = True
+    elif case == "dropout":
+        options["dropout_p"] = 0.1
+    elif case == "a prompt's rows":
+        query = query.repeat(1, 1, 9, 1)  # 36 rows
+    elif case == "heads not stacked":
+        query = query.reshape(1, 8, 1, 64)
+    elif case == "value heads of another size":  # latent attention
+        value = value[..., :32]
+    elif case == "heads of 1024":
+        query, key, value = (tensor.repeat(1, 1, 1, 16) for tensor in (query, key, value))
+    elif case == "a head size that is not contiguous":
+        key = key.transpose(2, 3).contiguous().transpose(2, 3)
+    elif case == "a mask of 3 dimensions":
+        mask = torch.ones(1, 4, 512, dtype=torch.bool)
+    elif case == "a mask of another context":
+        mask = torch.ones(1, 1, 1, 513, dtype=torch.bool)
+    elif case == "turned off":
+        monkeypatch.setenv(cpu_decode.ENV_VAR, "0")
+    elif case == "compiling":
+        monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert not cpu_decode_applies(query, key, value, mask, **options)
+
+
+@needs_kernel
+def test_compiled_code_runs_pytorchs_kernel_in_one_graph(monkeypatch):
+    """A compiled graph's kernels are its compiler's: the call goes to PyTorch's kernel, without a graph break."""
+    calls = count_decode_kernel_calls(monkeypatch)
+    query, key, value = decode_inputs(1, 3, 3, 64, 64)
+    query = query.reshape(1, 9, 1, 64)
+
+    def attend(query, key, value):
+        return fused_sdpa(query, key, value, None, is_causal=False, scale=0.125)
+
+    explanation = torch._dynamo.explain(attend)(query, key, value)
+    assert explanation.graph_break_count == 0
+    output = torch.compile(attend, fullgraph=True)(query, key, value)
+    torch.testing.assert_close(output, F.scaled_dot_product_attention(query, key, value, scale=0.125, enable_gqa=True))
+    assert not calls
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return build_pair("llama")
+
+
+@needs_kernel
+@pytest.mark.parametrize("lengths", [[20], [20, 13]], ids=["one sequence", "a left-padded batch"])
+def test_generate_runs_every_decode_step_on_the_kernel_and_gives_stock_tokens(pair, monkeypatch, lengths):
+    ours, stock = pair
+    calls = count_decode_kernel_calls(monkeypatch)
+    inputs = left_padded_batch(lengths)
+    settings = {"max_new_tokens": 10, "min_new_tokens": 10, **GREEDY}
+    tokens = ours.generate(**inputs, use_flash_attention=True, **settings)
+    assert calls == {2: 9 * 2}  # every decode step of both layers, two query heads per key/value head as rows
+    assert torch.equal(tokens, stock.generate(**inputs, **settings))
+
+
+@needs_kernel
+def test_the_kernel_reads_the_cache_in_place_and_a_step_copies_nothing_that_grows(pair, monkeypatch):
+    ours, _ = pair
+    seen_storages = []
+    attend = cpu_decode_sdpa
+
+    def spy(query, key, value, *args, **kwargs):
+        seen_storages.append(key.untyped_storage().data_ptr())
+        return attend(query, key, value, *args, **kwargs)
+
+    monkeypatch.setattr("optimum.habana.kernels.dispatch.cpu_decode_sdpa", spy)
+
+    def step(context: int) -> tuple[Counter, set, set]:
+        inputs = left_padded_batch([context - 5, context])  # a padding mask at every step
+        cache = GrowingCache(ours.config, max_cache_len=context + 1)
+        with torch.no_grad():
+            ours(**inputs, past_key_values=cache, use_cache=True, use_flash_attention=True)
+            seen_storages.clear()
+            with CopiedElements() as counter:
+                ours(
+                    input_ids=inputs["input_ids"][:, -1:],
+                    attention_mask=torch.cat([inputs["attention_mask"], torch.ones(2, 1, dtype=torch.long)], -1),
+                    past_key_values=cache,
+                    use_cache=True,
+                    use_flash_attention=True,
+                )
+        storages = {layer.key_storage.untyped_storage().data_ptr() for layer in cache.layers}
+        return counter.counts, set(seen_storages), storages
+
+    short, short_seen, short_storages = step(40)
+    long, long_seen, long_storages = step(80)
+    assert short_seen == short_storages and long_seen == long_storages
+    # What grows is the step's 2-D padding mask (2 sequences x 40 more tokens: its `torch.cat` here and its cast in
+    # the model), once per step: no layer copies keys, values or a mask of its own.
+    assert set(short) == set(long) and all(long[op] - short[op] in (0, 2 * 40) for op in long)
+
+
+@needs_kernel
+def test_the_kernel_is_built_once_into_the_cache_folder(fresh_build, monkeypatch):
+    compiles = []
+    run = subprocess.run
+
+    def counted(command, *args, **kwargs):
+        if "-shared" in command:
+            compiles.append(command)
+        return run(command, *args, **kwargs)
+
+    monkeypatch.setattr(cpu_decode.subprocess, "run", counted)
+    assert cpu_decode.decode_kernel(64) is not None
+    built = sorted(path.name for path in fresh_build.iterdir())
+    assert len(compiles) == 1 and len(built) == 1 and built[0].startswith("cpu_decode_d64_")  # no temporary left
+    cpu_decode.decode_kernel.cache_clear()  # a new process, as far as the kernel knows
+    assert cpu_decode.decode_kernel(64) is not None
+    assert len(compiles) == 1  # loaded, not built again
+    query, key, value = decode_inputs(1, 2, 2, 700, 64)
+    expected = F.scaled_dot_product_attention(query, key, value)
+    torch.testing.assert_close(cpu_decode_sdpa(query, key, value, None, scale=0.125), expected, rtol=1e-5, atol=1e-6)
+
+
+@needs_kernel
+def test_a_cache_folder_that_cannot_be_written_builds_in_a_temporary_folder(fresh_build, monkeypatch, tmp_path):
+    blocker = tmp_path / "a file"
+    blocker.write_text("")
+    monkeypatch.setattr(cpu_decode, "cache_root", lambda: blocker)
+    assert cpu_decode.decode_kernel(64) is not None
+    query, key, value = decode_inputs(1, 2, 2, 700, 64)
+    expected = F.scaled_dot_product_attention(query, key, value)
+    torch.testing.assert_close(cpu_decode_sdpa(query, key, value, None, scale=0.125), expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("problem", ["no compiler", "a failing build"])
+def test_without_the_kernel_one_warning_and_pytorchs_attention(fresh_build, monkeypatch, problem):
+    if problem == "no compiler":
+        monkeypatch.setattr(cpu_decode, "_compiler", lambda: None)
+        expected_message = "no C compiler: install gcc, or name one in CC"
+    else:
+        if cpu_decode._environment_problem() is not None:
+            pytest.skip(f"no decode kernel here: {cpu_decode._environment_problem()}")
+        monkeypatch.setattr(cpu_decode, "FLAGS", (*cpu_decode.FLAGS, "-fno-such-option"))
+        expected_message = "building it for head size 64 failed"
+    query, key, value = decode_inputs(1, 2, 2, 700, 64)
+    query = query.reshape(1, 4, 1, 64)
+    expected = F.scaled_dot_product_attention(query, key, value, enable_gqa=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        outputs = [fused_sdpa(query, key, value, None, is_causal=False, scale=None) for _ in range(3)]
+    messages = [str(warning.message) for warning in caught if "CPU decode kernel" in str(warning.message)]
+    assert len(messages) == 1 and expected_message in messages[0] and cpu_decode.ENV_VAR in messages[0]
+    for output in outputs:
+        torch.testing.assert_close(output, expected, rtol=1e-5, atol=1e-6)
+    assert not list(fresh_build.glob("*.so"))
