@@ -90,6 +90,22 @@ def test_the_kernel_gives_pytorchs_flash_attention(shape, mask_name):
 
 
 @needs_kernel
+@pytest.mark.parametrize("mask_name", ["none", "boolean padding", "additive -inf per head and row"])
+@pytest.mark.parametrize("shape", ["one sequence, a query group of 3 as rows", "heads of 80"])
+def test_a_bfloat16_cache_stays_within_one_rounding_of_pytorchs_kernel(shape, mask_name):
+    """bfloat16 keys and values are widened as they are read; the arithmetic is float32, as in PyTorch's kernel."""
+    batch, heads, rows, length, head_dim = SHAPES[shape]
+    query, key, value = (tensor.bfloat16() for tensor in decode_inputs(batch, heads, rows, length, head_dim))
+    mask = masks(batch, heads, rows, length)[mask_name]
+    mask = mask if mask is None or mask.dtype == torch.bool else mask.bfloat16()
+    assert cpu_decode_applies(query, key, value, mask, is_causal=False, dropout_p=0.0)
+    expected = F.scaled_dot_product_attention(query, key, value, mask)
+    output = cpu_decode_sdpa(query, key, value, mask, scale=head_dim**-0.5)
+    assert output.dtype == torch.bfloat16
+    torch.testing.assert_close(output, expected, rtol=1.6e-2, atol=2e-3)
+
+
+@needs_kernel
 def test_a_row_that_may_attend_to_nothing_is_zero_as_in_pytorchs_kernel():
     query, key, value = decode_inputs(2, 2, 3, 3000, 64)
     mask = torch.zeros(2, 1, 1, 3000, dtype=torch.bool)
@@ -125,7 +141,8 @@ def test_fused_sdpa_runs_a_grouped_decode_step_on_the_kernel(monkeypatch):
 
 
 CASES_LEFT_TO_PYTORCH = [
-    "bfloat16",
+    "float16",
+    "a bfloat16 cache with float32 queries",
     "gradients",
     "causal",
     "dropout",
@@ -147,8 +164,10 @@ def test_the_calls_it_leaves_to_pytorchs_kernel(case, monkeypatch):
     query, key, value = decode_inputs(1, 2, 4, 512, 64)
     mask, options = None, {"is_causal": False, "dropout_p": 0.0}
     assert cpu_decode_applies(query, key, value, mask, **options)
-    if case == "bfloat16":
-        query, key, value = (tensor.bfloat16() for tensor in (query, key, value))
+    if case == "float16":
+        query, key, value = (tensor.half() for tensor in (query, key, value))
+    elif case == "a bfloat16 cache with float32 queries":
+        key, value = key.bfloat16(), value.bfloat16()
     elif case == "gradients":
         query.requires_grad_()
     elif case == "causal":
@@ -211,6 +230,19 @@ def test_generate_runs_every_decode_step_on_the_kernel_and_gives_stock_tokens(pa
 
 
 @needs_kernel
+def test_bfloat16_generate_runs_on_the_kernel_and_gives_stock_sdpa_tokens(monkeypatch):
+    ours, stock = build_pair("llama")
+    ours, stock = ours.bfloat16(), stock.bfloat16()
+    stock.config._attn_implementation = "sdpa"  # PyTorch's flash kernel, in bfloat16 as ours
+    calls = count_decode_kernel_calls(monkeypatch)
+    inputs = left_padded_batch([20, 13])
+    settings = {"max_new_tokens": 10, "min_new_tokens": 10, **GREEDY}
+    tokens = ours.generate(**inputs, use_flash_attention=True, **settings)
+    assert calls == {2: 9 * 2}
+    assert torch.equal(tokens, stock.generate(**inputs, **settings))
+
+
+@needs_kernel
 def test_the_kernel_reads_the_cache_in_place_and_a_step_copies_nothing_that_grows(pair, monkeypatch):
     ours, _ = pair
     seen_storages = []
@@ -260,7 +292,9 @@ def test_the_kernel_is_built_once_into_the_cache_folder(fresh_build, monkeypatch
     monkeypatch.setattr(cpu_decode.subprocess, "run", counted)
     assert cpu_decode.decode_kernel(64) is not None
     built = sorted(path.name for path in fresh_build.iterdir())
-    assert len(compiles) == 1 and len(built) == 1 and built[0].startswith("cpu_decode_d64_")  # no temporary left
+    assert (
+        len(compiles) == 1 and len(built) == 1 and built[0].startswith("cpu_decode_float32_d64_")
+    )  # no temporary left
     cpu_decode.decode_kernel.cache_clear()  # a new process, as far as the kernel knows
     assert cpu_decode.decode_kernel(64) is not None
     assert len(compiles) == 1  # loaded, not built again
@@ -289,7 +323,7 @@ def test_without_the_kernel_one_warning_and_pytorchs_attention(fresh_build, monk
         if cpu_decode._environment_problem() is not None:
             pytest.skip(f"no decode kernel here: {cpu_decode._environment_problem()}")
         monkeypatch.setattr(cpu_decode, "FLAGS", (*cpu_decode.FLAGS, "-fno-such-option"))
-        expected_message = "building it for head size 64 failed"
+        expected_message = "building it for torch.float32 heads of 64 failed"
     query, key, value = decode_inputs(1, 2, 2, 700, 64)
     query = query.reshape(1, 4, 1, 64)
     expected = F.scaled_dot_product_attention(query, key, value, enable_gqa=True)

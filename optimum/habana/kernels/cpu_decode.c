@@ -3,7 +3,9 @@
  * once, and every thread reading an equal share of the context (see cpu_decode.py for why and when it runs).
  *
  * Built by cpu_decode.py with -DHEAD_DIM=<size>: with the head size known to the compiler, the dot products and the
- * weighted sums over it are unrolled vector code (a run-time size measured 1.5x slower on one thread).
+ * weighted sums over it are unrolled vector code (a run-time size measured 1.5x slower on one thread). The cache's
+ * keys and values are float32, or bfloat16 with -DCACHE_BF16 (widened to float32 as they are read); the query rows,
+ * the mask and the output are float32, and so is all arithmetic.
  *
  * The context is cut into chunks. Each (sequence, head, chunk) is one piece of work: the scores of its keys, their
  * maximum and exp-sum, and the exp-weighted sum of its values. The pieces of a (sequence, head) then combine
@@ -18,9 +20,24 @@
 #error "build with -DHEAD_DIM=<the heads' size>"
 #endif
 
+#ifdef CACHE_BF16
+typedef uint16_t cache_t;
+/* bfloat16 is float32's upper half: widening is a shift, which vectorises */
+static inline float widen(cache_t element) {
+    union {
+        uint32_t bits;
+        float value;
+    } widened = {.bits = (uint32_t)element << 16};
+    return widened.value;
+}
+#else
+typedef float cache_t;
+static inline float widen(cache_t element) { return element; }
+#endif
+
 /* exp(x) for x <= 0 as plain arithmetic the compiler vectorises (libm's expf is not, without -ffast-math, which
- * would also assume no infinities: masked scores are -inf). x = n ln2 + r, exp(r) by its Taylor polynomial
- * (Cephes' coefficients), 2^n built in the exponent bits; exactly 0 below -87, where expf underflows anyway. */
+ * would also assume no infinities: masked scores are -inf). x = n ln2 + r, exp(r) by a polynomial of degree
+ * 7 (Cephes' expf), 2^n built in the exponent bits; exactly 0 below -87, where expf underflows anyway. */
 static inline float exp_nonpositive(float x) {
     const float clamped = x < -87.f ? -87.f : x;
     const float n = __builtin_roundf(clamped * 1.44269504088896341f);
@@ -42,7 +59,7 @@ static inline float exp_nonpositive(float x) {
 typedef struct {
     const float *query; /* the (sequence, head)'s first row; rows query_row apart */
     int64_t query_row;
-    const float *key, *value; /* the (sequence, head)'s first token; tokens *_token apart */
+    const cache_t *key, *value; /* the (sequence, head)'s first token; tokens *_token apart */
     int64_t key_token, value_token;
     /* the mask, additive or boolean (nonzero: may attend) or neither: the first row's first token; rows mask_row,
      * tokens mask_token apart */
@@ -59,11 +76,11 @@ static void attend_piece(const Head *head, int64_t start, int64_t stop, float *r
                          float *restrict sums, float *restrict maxima, float *restrict totals) {
     const int64_t width = stop - start;
     for (int64_t token = start; token < stop; token++) {
-        const float *key = head->key + token * head->key_token;
+        const cache_t *key = head->key + token * head->key_token;
         for (int64_t row = 0; row < head->rows; row++) {
             const float *query = head->query + row * head->query_row;
             float dot = 0.f;
-            for (int d = 0; d < HEAD_DIM; d++) dot += query[d] * key[d];
+            for (int d = 0; d < HEAD_DIM; d++) dot += query[d] * widen(key[d]);
             float score = dot * head->scale;
             const int64_t at = row * head->mask_row + token * head->mask_token;
             if (head->additive) score += head->additive[at];
@@ -91,26 +108,25 @@ static void attend_piece(const Head *head, int64_t start, int64_t stop, float *r
         memset(sums + row * HEAD_DIM, 0, sizeof(float) * HEAD_DIM);
     }
     for (int64_t token = start; token < stop; token++) {
-        const float *value = head->value + token * head->value_token;
+        const cache_t *value = head->value + token * head->value_token;
         for (int64_t row = 0; row < head->rows; row++) {
             const float weight = scores[row * width + token - start];
             float *row_sum = sums + row * HEAD_DIM;
-            for (int d = 0; d < HEAD_DIM; d++) row_sum[d] += weight * value[d];
+            for (int d = 0; d < HEAD_DIM; d++) row_sum[d] += weight * widen(value[d]);
         }
     }
 }
 
 /* query [batch, heads, rows, HEAD_DIM], key and value [batch, heads, length, HEAD_DIM], the mask (additive or
  * boolean, or both NULL) broadcast to [batch, heads, rows, length]: each given by its strides in elements, the head
- * size contiguous. output: a
- * contiguous [batch, heads, rows, HEAD_DIM]. A row no key may be attended by is zeros. Returns 0, or 1 when out of
- * memory. */
-int decode_attention_f32(const float *query, int64_t query_batch, int64_t query_head, int64_t query_row,
-                         const float *key, int64_t key_batch, int64_t key_head, int64_t key_token,
-                         const float *value, int64_t value_batch, int64_t value_head, int64_t value_token,
-                         const float *additive, const uint8_t *allowed, int64_t mask_batch, int64_t mask_head, int64_t mask_row,
-                         int64_t mask_token, float *output, int64_t batch, int64_t heads, int64_t rows,
-                         int64_t length, float scale, int64_t chunk, int threads) {
+ * size contiguous. output: a contiguous [batch, heads, rows, HEAD_DIM]. A row no key may be attended by is zeros.
+ * Returns 0, or 1 when out of memory. */
+int decode_attention(const float *query, int64_t query_batch, int64_t query_head, int64_t query_row,
+                     const cache_t *key, int64_t key_batch, int64_t key_head, int64_t key_token,
+                     const cache_t *value, int64_t value_batch, int64_t value_head, int64_t value_token,
+                     const float *additive, const uint8_t *allowed, int64_t mask_batch, int64_t mask_head,
+                     int64_t mask_row, int64_t mask_token, float *output, int64_t batch, int64_t heads, int64_t rows,
+                     int64_t length, float scale, int64_t chunk, int threads) {
     const int64_t chunks = (length + chunk - 1) / chunk;
     const int64_t pieces = batch * heads * chunks;
     const int64_t piece_floats = rows * (HEAD_DIM + 2); /* value sums, maxima, exp-sums */

@@ -7,8 +7,9 @@ step needs and nothing else: each key's dot products with the head's few query r
 exp that vectorises, the weighted sum of the values, the context cut into chunks so that every thread reads a share
 (flash-decoding), and the chunks combined exactly.
 
-It is compiled for this machine (`-march=native`, one library per head size) into the library's cache folder the
-first time a decode step needs it, in about a second, and runs on PyTorch's own OpenMP threads (the library links
+It is compiled for this machine (`-march=native`, one library per head size and cache dtype: float32, or bfloat16
+widened as it is read) into the library's cache folder the first time a decode step needs it, in about 0.2 s, and
+runs on PyTorch's own OpenMP threads (the library links
 the `libgomp` PyTorch has loaded: a second OpenMP runtime's threads would fight PyTorch's for the cores). Where it
 cannot be built (no C compiler, no `libgomp` in this process), one warning says so and PyTorch's kernel runs.
 `OPTIMUM_HABANA_CPU_DECODE_KERNEL=0` turns it off.
@@ -40,6 +41,8 @@ MAX_HEAD_DIM = 512
 # balance gains (both measured at 1 x 8192 tokens, SmolLM2's geometry, 2 threads: 512-2048 within 5%).
 CHUNK_MIN = 256
 CHUNK_MAX = 2048
+# The caches it reads, by the macro that builds it for them: float32, and bfloat16 (widened as it is read).
+CACHE_DTYPES = {torch.float32: "", torch.bfloat16: "-DCACHE_BF16"}
 # Vectorisation without -ffast-math's assumption that nothing is infinite (masked scores are -inf).
 FLAGS = (
     "-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math", "-fno-signed-zeros",
@@ -56,13 +59,15 @@ def cpu_decode_applies(
     is_causal: bool,
     dropout_p: float,
 ) -> bool:
-    """Whether this call runs on the decode kernel: an eager fp32 call on CPU without gradients, a few query rows
-    per head (the caller stacks a decode step's query group as rows), equal head counts and sizes, the head size
-    contiguous, no causal mask and no dropout. Decided from shapes and settings; builds the kernel the first time."""
+    """Whether this call runs on the decode kernel: an eager float32 or bfloat16 call on CPU without gradients, a
+    few query rows per head (the caller stacks a decode step's query group as rows), equal head counts and sizes,
+    the head size contiguous, no causal mask and no dropout. Decided from shapes and settings; builds the kernel the
+    first time."""
     if (
         torch.compiler.is_compiling()
         or query.device.type != "cpu"
-        or any(tensor.dtype != torch.float32 for tensor in (query, key, value))
+        or query.dtype not in CACHE_DTYPES
+        or len({query.dtype, key.dtype, value.dtype}) > 1
         or is_causal
         or dropout_p
         or query.shape[2] > MAX_QUERY_ROWS
@@ -78,7 +83,13 @@ def cpu_decode_applies(
         return False
     if attn_mask is not None and not _mask_fits(attn_mask, (*query.shape[:3], key.shape[2])):
         return False
-    return os.environ.get(ENV_VAR, "1") != "0" and decode_kernel(query.shape[-1]) is not None
+    return os.environ.get(ENV_VAR, "1") != "0" and decode_kernel(query.shape[-1], query.dtype) is not None
+
+
+def decode_kernel_expected(dtype: torch.dtype) -> bool:
+    """Whether eager decode steps on CPU in `dtype` would run on the decode kernel here, without building it (for
+    run_generation.py's --explain)."""
+    return dtype in CACHE_DTYPES and os.environ.get(ENV_VAR, "1") != "0" and _environment_problem() is None
 
 
 def _mask_fits(attn_mask: torch.Tensor, shape: tuple[int, ...]) -> bool:
@@ -100,6 +111,7 @@ def cpu_decode_sdpa(
     has said yes). `attn_mask`: boolean (True = attend) or additive, broadcastable to `[B, H, q, L]`."""
     batch, heads, rows, head_dim = query.shape
     length = key.shape[2]
+    rows_dtype, query = query.dtype, query.float()  # a few rows: the kernel's arithmetic is float32
     additive = allowed = None
     mask_strides = (0, 0, 0, 0)
     if attn_mask is not None:
@@ -114,7 +126,7 @@ def cpu_decode_sdpa(
     threads = torch.get_num_threads()
     pieces_per_head = -(-2 * threads // (batch * heads))
     chunk = min(CHUNK_MAX, max(CHUNK_MIN, -(-length // pieces_per_head)))
-    failed = decode_kernel(head_dim)(
+    failed = decode_kernel(head_dim, key.dtype)(
         query.data_ptr(), *query.stride()[:3],
         key.data_ptr(), *key.stride()[:3],
         value.data_ptr(), *value.stride()[:3],
@@ -123,24 +135,24 @@ def cpu_decode_sdpa(
     )  # fmt: skip
     if failed:
         raise MemoryError(f"the CPU decode kernel could not allocate its scratch for {batch} x {heads} x {rows} rows")
-    return output
+    return output.to(rows_dtype)
 
 
 @functools.cache
-def decode_kernel(head_dim: int):
-    """The kernel's function for this head size, built or loaded from the cache folder; None (after one warning)
-    where it cannot be built here."""
+def decode_kernel(head_dim: int, dtype: torch.dtype = torch.float32):
+    """The kernel's function for this head size and cache dtype, built or loaded from the cache folder; None (after
+    one warning) where it cannot be built here."""
     problem = _environment_problem()
     if problem is None:
         try:
-            kernel = ctypes.CDLL(str(_built_library(head_dim))).decode_attention_f32
-        except (OSError, subprocess.CalledProcessError) as error:
+            kernel = ctypes.CDLL(str(_built_library(head_dim, dtype))).decode_attention
+        except (OSError, AttributeError, subprocess.CalledProcessError) as error:
             details = (getattr(error, "stderr", "") or str(error)).strip().splitlines() or ["no output"]
-            problem = f"building it for head size {head_dim} failed: {details[-1]}"
+            problem = f"building it for {dtype} heads of {head_dim} failed: {details[-1]}"
     if problem is not None:
         warnings.warn(
             f"The CPU decode kernel cannot run here ({problem}): decode steps run on PyTorch's flash kernel, "
-            f"about half as fast at long context. Set {ENV_VAR}=0 to silence this.",
+            f"slower at long context. Set {ENV_VAR}=0 to silence this.",
             UserWarning,
             stacklevel=2,
         )
@@ -185,16 +197,17 @@ def _openmp_library() -> Path | None:
     return None
 
 
-def _built_library(head_dim: int) -> Path:
+def _built_library(head_dim: int, dtype: torch.dtype) -> Path:
     """The library for `head_dim`, compiled once per source, flags, compiler, OpenMP runtime and CPU into the cache
     folder (atomically: a killed build leaves no half library to load). Where the cache folder cannot be written it
     is built for this process alone, in a new temporary folder (a shared one could hold anyone's library)."""
     compiler, openmp = _compiler(), _openmp_library()
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
     fingerprint = hashlib.sha256(SOURCE.read_bytes())
-    for part in (*FLAGS, str(head_dim), compiler, version, str(openmp), _cpu_features()):
+    flags = [*FLAGS, f"-DHEAD_DIM={head_dim}", CACHE_DTYPES[dtype]]
+    for part in (*flags, compiler, version, str(openmp), _cpu_features()):
         fingerprint.update(part.encode())
-    name = f"cpu_decode_d{head_dim}_{fingerprint.hexdigest()[:16]}.so"
+    name = f"cpu_decode_{str(dtype).removeprefix('torch.')}_d{head_dim}_{fingerprint.hexdigest()[:16]}.so"
     folder = cache_root() / "kernels"
     if (folder / name).is_file():
         return folder / name
@@ -205,7 +218,7 @@ def _built_library(head_dim: int) -> Path:
         folder = Path(tempfile.mkdtemp(prefix="optimum-habana-kernels-"))
         descriptor, building = tempfile.mkstemp(prefix=f".{name}.", suffix=".so", dir=folder)
     os.close(descriptor)
-    command = [compiler, *FLAGS, f"-DHEAD_DIM={head_dim}", str(SOURCE), "-o", building]
+    command = [compiler, *filter(None, flags), str(SOURCE), "-o", building]
     command += [str(openmp), f"-Wl,-rpath,{openmp.parent}", "-lm"]
     try:
         subprocess.run(command, capture_output=True, text=True, check=True)
@@ -226,4 +239,4 @@ def _cpu_features() -> str:
     return "\n".join(next((line for line in lines if line.startswith(field)), "") for field in ("model name", "flags"))
 
 
-__all__ = ["ENV_VAR", "cpu_decode_applies", "cpu_decode_sdpa", "decode_kernel"]
+__all__ = ["ENV_VAR", "cpu_decode_applies", "cpu_decode_sdpa", "decode_kernel", "decode_kernel_expected"]

@@ -10,7 +10,9 @@ gives its output and the log-sum-exp of its scores, and the pieces combine exact
 `exp(lse_piece - lse_total)`. The pieces here are views of the cache (no copy): `[1, H, L, D]` viewed as
 `[splits, H, L / splits, D]`, one kernel call for all of them, and a second, tiny one for the last `L mod splits`
 tokens. The combine reads `splits` rows per head. Only for one sequence (the batch's sequences would need a copy
-to become pieces of one batch dimension) and without gradients (the kernel's log-sum-exp has none).
+to become pieces of one batch dimension) and without gradients (the kernel's log-sum-exp has none). It runs where
+the decode kernel (`cpu_decode.py`), which shares a decode step's reads between the threads itself, does not:
+float16 caches, or where that kernel cannot be built.
 """
 
 import math
