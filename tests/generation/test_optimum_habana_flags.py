@@ -24,7 +24,7 @@ from optimum.habana.transformers import attention
 from optimum.habana.transformers.cache import BucketedStaticCache
 from optimum.habana.utils import devices, model_loading
 from tests.generation.support import bad_model_inputs, outputs, parse, run_in_process, tiny_argv
-from tests.helpers import save_tiny_checkpoint, spy_on_fused_kernel, tiny_config, write_gguf
+from tests.helpers import count_decode_kernel_calls, save_tiny_checkpoint, spy_on_fused_kernel, tiny_config, write_gguf
 
 
 @pytest.fixture
@@ -379,8 +379,9 @@ EXPLAINED = {
 
 
 @pytest.mark.parametrize("extra", list(EXPLAINED.values()), ids=list(EXPLAINED))
-def test_explain_says_what_the_run_does(script, tiny_checkpoint, tmp_path, attention_calls, extra):
+def test_explain_says_what_the_run_does(script, tiny_checkpoint, tmp_path, attention_calls, monkeypatch, extra):
     text = explain_text(tiny_checkpoint, *extra)
+    decode_kernel_calls = count_decode_kernel_calls(monkeypatch)
     run_in_process(script, tiny_argv(tiny_checkpoint, *extra), tmp_path)
     sections = text.split("  decode")
     prefill_lines, decode_lines = sections[0].split("  prefill")[1], sections[1]
@@ -390,6 +391,7 @@ def test_explain_says_what_the_run_does(script, tiny_checkpoint, tmp_path, atten
         assert all(words in lines for words in account(call)), (call, text)
     fused = "--use_flash_attention" in extra
     assert ("fused kernel" in prefill_lines) == fused and ("fused kernel" in decode_lines) == fused
+    assert ("the CPU decode kernel" in decode_lines) == bool(decode_kernel_calls), text
 
 
 def test_explain_lists_the_flags_and_loads_no_weights(tiny_checkpoint, monkeypatch):

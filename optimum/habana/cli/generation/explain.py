@@ -18,6 +18,7 @@ import torch
 from transformers import AutoConfig, AutoTokenizer
 
 from optimum.habana.cli.adapters import check_adapter_folder, check_adapter_matches
+from optimum.habana.kernels.cpu_decode import decode_kernel_expected
 from optimum.habana.transformers.attention_flags import AttentionFlags
 from optimum.habana.transformers.batch_layout import local_layers_run_planned, padding_mask_is_all_it_needs
 from optimum.habana.transformers.cache import bucketed_length
@@ -113,13 +114,15 @@ def explain(arguments: ScriptArguments) -> str:
     lines += ["", "Attention calls:"]
     # A padded prompt's plan (batch_layout): every layer full attention, or, off Gaudi, windows and chunks too.
     prompt_plan = padding_mask_is_all_it_needs(config) or (device.type != "hpu" and local_layers_run_planned(config))
+    # Eager decode steps on CPU run on the decode kernel (kernels/cpu_decode.py); compiled ones on the compiler's.
+    decode_kernel = device.type == "cpu" and not arguments.execution.torch_compile and decode_kernel_expected(dtype)
     for phase in phases(layout.kind, input_length, workload.max_new_tokens, padded, max_cache_len, layout):
         lines.append(
             f"  {phase.name} (q={phase.q_len}, kv={format_range(phase.kv_lengths)}"
             f"{', padded rows' if phase.padded else ''}):"
         )
         for group in groups:
-            account = call_account(flags, group, phase, device, prompt_plan)
+            account = call_account(flags, group, phase, device, prompt_plan, decode_kernel)
             lines.append(f"    {group.label}: {account}")
     if others := other_layer_kinds(config):
         lines.append(f"  other layers: {', '.join(others)}: no softmax attention, the flag leaves them to the model")
@@ -279,9 +282,15 @@ def mask_is_skipped(group: LayerGroup, phase: Phase) -> bool:
 
 
 def call_account(
-    flags: AttentionFlags, group: LayerGroup, phase: Phase, device: torch.device, model_mask_free: bool
+    flags: AttentionFlags,
+    group: LayerGroup,
+    phase: Phase,
+    device: torch.device,
+    model_mask_free: bool,
+    decode_kernel: bool = False,
 ) -> str:
-    """The path of this group's calls in this phase, and the arguments the kernel gets."""
+    """The path of this group's calls in this phase, and the arguments the kernel gets (`decode_kernel`: eager decode
+    steps on CPU run on the library's decode kernel)."""
     is_prefill = phase.q_len > 1
     mask_skipped = mask_is_skipped(group, phase)
     mask = "None" if mask_skipped else f"boolean [rows, 1, {phase.q_len}, kv]"
@@ -339,8 +348,11 @@ def call_account(
         arguments += " (no padding mask is built)" if not runs_local else " (no [q, kv] mask is built)"
     softmax_mode = "fast" if flags.flash_attention_fast_softmax and is_prefill else "None"
     recompute = flags.flash_attention_recompute and is_prefill
+    kernel = kernel_name(device)
+    if decode_kernel and phase.q_len == 1 and "latent attention" not in group.variant:  # latent: PyTorch's own pick
+        kernel = "the CPU decode kernel (optimum.habana.kernels.cpu_decode)"
     account = (
-        f"fused kernel, {kernel_name(device)}: {arguments}, scale={group.scaling:g}, softmax_mode={softmax_mode}, "
+        f"fused kernel, {kernel}: {arguments}, scale={group.scaling:g}, softmax_mode={softmax_mode}, "
         f"recompute={recompute}"
     )
     if window_kept:
