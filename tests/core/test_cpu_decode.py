@@ -153,6 +153,9 @@ CASES_LEFT_TO_PYTORCH = [
     "a head size that is not contiguous",
     "a mask of 3 dimensions",
     "a mask of another context",
+    "an integer mask",
+    "values of another length",
+    "no sequences",
     "turned off",
     "compiling",
 ]
@@ -188,6 +191,12 @@ def test_the_calls_it_leaves_to_pytorchs_kernel(case, monkeypatch):
         mask = torch.ones(1, 4, 512, dtype=torch.bool)
     elif case == "a mask of another context":
         mask = torch.ones(1, 1, 1, 513, dtype=torch.bool)
+    elif case == "an integer mask":
+        mask = torch.ones(1, 1, 1, 512, dtype=torch.int64)
+    elif case == "values of another length":
+        value = value[:, :, :500]
+    elif case == "no sequences":
+        query, key, value = query[:0], key[:0], value[:0]
     elif case == "turned off":
         monkeypatch.setenv(cpu_decode.ENV_VAR, "0")
     elif case == "compiling":

@@ -62,7 +62,8 @@ def cpu_decode_applies(
     """Whether this call runs on the decode kernel: an eager float32 or bfloat16 call on CPU without gradients, a
     few query rows per head (the caller stacks a decode step's query group as rows), equal head counts and sizes,
     the head size contiguous, no causal mask and no dropout. Decided from shapes and settings; builds the kernel the
-    first time."""
+    first time. The kernel reads raw memory: every shape it relies on is checked here, and anything else (a value
+    cache of another length, a mask of another shape or dtype) is left to PyTorch's kernel, which raises."""
     if (
         torch.compiler.is_compiling()
         or query.device.type != "cpu"
@@ -75,14 +76,19 @@ def cpu_decode_applies(
         or len({query.shape[-1], key.shape[-1], value.shape[-1]}) > 1
         or query.shape[-1] > MAX_HEAD_DIM
         or query.shape[0] != key.shape[0]
+        or key.shape[:3] != value.shape[:3]
         or any(tensor.stride(-1) != 1 for tensor in (query, key, value))
+        or query.numel() == 0
         or key.shape[2] == 0
     ):
         return False
     if torch.is_grad_enabled() and any(tensor.requires_grad for tensor in (query, key, value)):
         return False
-    if attn_mask is not None and not _mask_fits(attn_mask, (*query.shape[:3], key.shape[2])):
-        return False
+    if attn_mask is not None and (
+        not (attn_mask.dtype == torch.bool or attn_mask.is_floating_point())
+        or not _mask_fits(attn_mask, (*query.shape[:3], key.shape[2]))
+    ):
+        return False  # PyTorch's kernel then says what is wrong with it
     return os.environ.get(ENV_VAR, "1") != "0" and decode_kernel(query.shape[-1], query.dtype) is not None
 
 
