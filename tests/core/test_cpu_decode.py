@@ -140,6 +140,10 @@ def test_fused_sdpa_runs_a_grouped_decode_step_on_the_kernel(monkeypatch):
     assert calls == {3: 1}
 
 
+class SubclassedTensor(torch.Tensor):
+    pass
+
+
 CASES_LEFT_TO_PYTORCH = [
     "float16",
     "a bfloat16 cache with float32 queries",
@@ -156,6 +160,7 @@ CASES_LEFT_TO_PYTORCH = [
     "an integer mask",
     "values of another length",
     "no sequences",
+    "a tensor subclass",
     "turned off",
     "compiling",
 ]
@@ -197,6 +202,8 @@ def test_the_calls_it_leaves_to_pytorchs_kernel(case, monkeypatch):
         value = value[:, :, :500]
     elif case == "no sequences":
         query, key, value = query[:0], key[:0], value[:0]
+    elif case == "a tensor subclass":  # its memory may not be where data_ptr() says
+        key = key.as_subclass(SubclassedTensor)
     elif case == "turned off":
         monkeypatch.setenv(cpu_decode.ENV_VAR, "0")
     elif case == "compiling":
@@ -219,6 +226,20 @@ def test_compiled_code_runs_pytorchs_kernel_in_one_graph(monkeypatch):
     output = torch.compile(attend, fullgraph=True)(query, key, value)
     torch.testing.assert_close(output, F.scaled_dot_product_attention(query, key, value, scale=0.125, enable_gqa=True))
     assert not calls
+
+
+@needs_kernel
+def test_traced_code_is_left_to_pytorchs_kernel():
+    """torch.jit.trace cannot see a C function (its output would be traced as a constant)."""
+    decisions = []
+
+    def probe(query, key, value):
+        decisions.append(cpu_decode_applies(query, key, value, None, is_causal=False, dropout_p=0.0))
+        return query * 1
+
+    inputs = decode_inputs(1, 2, 2, 300, 64)
+    torch.jit.trace(probe, inputs, check_trace=False)
+    assert decisions == [False] and cpu_decode_applies(*inputs, None, is_causal=False, dropout_p=0.0)
 
 
 @pytest.fixture(scope="module")

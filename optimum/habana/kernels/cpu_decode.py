@@ -27,6 +27,7 @@ import warnings
 from pathlib import Path
 
 import torch
+from transformers.utils.import_utils import is_tracing
 
 from ..utils.model_loading import cache_root
 
@@ -65,7 +66,8 @@ def cpu_decode_applies(
     first time. The kernel reads raw memory: every shape it relies on is checked here, and anything else (a value
     cache of another length, a mask of another shape or dtype) is left to PyTorch's kernel, which raises."""
     if (
-        torch.compiler.is_compiling()
+        is_tracing(query)  # a traced graph cannot see a C function: its output would be recorded as a constant
+        or any(type(tensor) is not torch.Tensor for tensor in (query, key, value))  # subclasses: no plain memory
         or query.device.type != "cpu"
         or query.dtype not in CACHE_DTYPES
         or len({query.dtype, key.dtype, value.dtype}) > 1
@@ -85,7 +87,8 @@ def cpu_decode_applies(
     if torch.is_grad_enabled() and any(tensor.requires_grad for tensor in (query, key, value)):
         return False
     if attn_mask is not None and (
-        not (attn_mask.dtype == torch.bool or attn_mask.is_floating_point())
+        type(attn_mask) is not torch.Tensor
+        or not (attn_mask.dtype == torch.bool or attn_mask.is_floating_point())
         or not _mask_fits(attn_mask, (*query.shape[:3], key.shape[2]))
     ):
         return False  # PyTorch's kernel then says what is wrong with it
