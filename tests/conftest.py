@@ -16,6 +16,14 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
 
 
+@pytest.fixture
+def threads():
+    """Set the torch thread count for one test (the suite runs one per worker)."""
+    before = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def one_torch_thread():
     threads = torch.get_num_threads()

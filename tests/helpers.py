@@ -23,6 +23,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, PreTrain
 from optimum.habana import gaudi_model_class
 from optimum.habana.kernels import dispatch, local_attention, variable_length
 from optimum.habana.transformers import attention
+from optimum.habana.transformers.growing_cache import GrowingCache
 from optimum.habana.transformers.models import GAUDI_CAUSAL_LM_CLASSES
 from optimum.habana.utils.model_loading import CACHE_ENV_VAR, ResolvedModel, resolve_model
 
@@ -108,6 +109,17 @@ class CopiedElements(TorchDispatchMode):
         elif name == "aten::index_copy_":
             self.counts[name] += args[3].numel()
         return output
+
+
+def decode_step_copies(model, prompt: dict[str, torch.Tensor], step: dict[str, torch.Tensor]) -> tuple[Counter, set]:
+    """Prefill `prompt` into a new `GrowingCache`, then run one decode step (`step`'s inputs) with the flag: what each
+    operator of the step copied (elements), and the cache's key storages, to compare with what a kernel was given."""
+    cache = GrowingCache(model.config, max_cache_len=prompt["input_ids"].shape[1] + 1)
+    with torch.no_grad():
+        model(**prompt, past_key_values=cache, use_cache=True, use_flash_attention=True)
+        with CopiedElements() as counter:
+            model(**step, past_key_values=cache, use_cache=True, use_flash_attention=True)
+    return counter.counts, {layer.key_storage.untyped_storage().data_ptr() for layer in cache.layers}
 
 
 # The modules that call the fused kernel dispatch: a plain call, a padded prompt or several sequences in a row, a

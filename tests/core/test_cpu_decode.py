@@ -10,25 +10,22 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from optimum.habana.kernels import cpu_decode
+from optimum.habana.kernels import cpu_decode, split_context
 from optimum.habana.kernels.cpu_decode import cpu_decode_applies, cpu_decode_sdpa
 from optimum.habana.kernels.dispatch import fused_sdpa
-from optimum.habana.transformers.growing_cache import GrowingCache
-from tests.helpers import CopiedElements, build_pair, count_decode_kernel_calls, left_padded_batch
+from tests.helpers import (
+    build_pair,
+    count_context_cuts,
+    count_decode_kernel_calls,
+    decode_step_copies,
+    left_padded_batch,
+)
 
 
 needs_kernel = pytest.mark.skipif(
     cpu_decode._environment_problem() is not None, reason=f"no decode kernel here: {cpu_decode._environment_problem()}"
 )
 GREEDY = {"do_sample": False, "pad_token_id": 0}
-
-
-@pytest.fixture
-def threads():
-    """Set the torch thread count for one test (the suite runs one per worker)."""
-    before = torch.get_num_threads()
-    yield torch.set_num_threads
-    torch.set_num_threads(before)
 
 
 @pytest.fixture
@@ -211,21 +208,33 @@ def test_the_calls_it_leaves_to_pytorchs_kernel(case, monkeypatch):
     assert not cpu_decode_applies(query, key, value, mask, **options)
 
 
-@needs_kernel
-def test_compiled_code_runs_pytorchs_kernel_in_one_graph(monkeypatch):
-    """A compiled graph's kernels are its compiler's: the call goes to PyTorch's kernel, without a graph break."""
-    calls = count_decode_kernel_calls(monkeypatch)
-    query, key, value = decode_inputs(1, 3, 3, 64, 64)
-    query = query.reshape(1, 9, 1, 64)
+@pytest.mark.parametrize("decode_kernel", ["on", "off"])
+def test_compiled_code_runs_pytorchs_kernel_whole_in_one_graph(threads, monkeypatch, decode_kernel):
+    """A compiled graph's kernels are its compiler's, and the thread count cannot be traced: neither the decode
+    kernel nor the context cut runs under torch.compile, and the call adds no graph break. Eagerly, the same call
+    runs on one of them (one key/value head on 2 threads, pieces of 4 tokens)."""
+    if decode_kernel == "on" and cpu_decode._environment_problem() is not None:
+        pytest.skip(f"no decode kernel here: {cpu_decode._environment_problem()}")
+    if decode_kernel == "off":
+        monkeypatch.setenv(cpu_decode.ENV_VAR, "0")
+    threads(2)
+    monkeypatch.setattr(split_context, "MIN_PIECE_TOKENS", 4)
+    calls, cuts = count_decode_kernel_calls(monkeypatch), count_context_cuts(monkeypatch)
+    query, key, value = decode_inputs(1, 1, 4, 64, 64)
+    query = query.reshape(1, 4, 1, 64)
+    expected = F.scaled_dot_product_attention(query, key, value, scale=0.125, enable_gqa=True)
 
     def attend(query, key, value):
         return fused_sdpa(query, key, value, None, is_causal=False, scale=0.125)
 
+    torch.testing.assert_close(attend(query, key, value), expected, rtol=1e-5, atol=1e-6)
+    assert (sum(calls.values()), sum(cuts.values())) == ((1, 0) if decode_kernel == "on" else (0, 1))
+    calls.clear()
+    cuts.clear()
     explanation = torch._dynamo.explain(attend)(query, key, value)
     assert explanation.graph_break_count == 0
-    output = torch.compile(attend, fullgraph=True)(query, key, value)
-    torch.testing.assert_close(output, F.scaled_dot_product_attention(query, key, value, scale=0.125, enable_gqa=True))
-    assert not calls
+    torch.testing.assert_close(torch.compile(attend, fullgraph=True)(query, key, value), expected)
+    assert not calls and not cuts
 
 
 @needs_kernel
@@ -285,21 +294,13 @@ def test_the_kernel_reads_the_cache_in_place_and_a_step_copies_nothing_that_grow
     monkeypatch.setattr("optimum.habana.kernels.dispatch.cpu_decode_sdpa", spy)
 
     def step(context: int) -> tuple[Counter, set, set]:
-        inputs = left_padded_batch([context - 5, context])  # a padding mask at every step
-        cache = GrowingCache(ours.config, max_cache_len=context + 1)
-        with torch.no_grad():
-            ours(**inputs, past_key_values=cache, use_cache=True, use_flash_attention=True)
-            seen_storages.clear()
-            with CopiedElements() as counter:
-                ours(
-                    input_ids=inputs["input_ids"][:, -1:],
-                    attention_mask=torch.cat([inputs["attention_mask"], torch.ones(2, 1, dtype=torch.long)], -1),
-                    past_key_values=cache,
-                    use_cache=True,
-                    use_flash_attention=True,
-                )
-        storages = {layer.key_storage.untyped_storage().data_ptr() for layer in cache.layers}
-        return counter.counts, set(seen_storages), storages
+        prompt = left_padded_batch([context - 5, context])  # a padding mask at every step
+        mask = torch.cat([prompt["attention_mask"], torch.ones(2, 1, dtype=torch.long)], -1)
+        seen_storages.clear()
+        copies, storages = decode_step_copies(
+            ours, prompt, {"input_ids": prompt["input_ids"][:, -1:], "attention_mask": mask}
+        )
+        return copies, set(seen_storages), storages
 
     short, short_seen, short_storages = step(40)
     long, long_seen, long_storages = step(80)

@@ -10,10 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from optimum.habana.kernels import cpu_decode, split_context
-from optimum.habana.kernels.dispatch import fused_sdpa
 from optimum.habana.kernels.split_context import context_splits, split_context_sdpa
-from optimum.habana.transformers.growing_cache import GrowingCache
-from tests.helpers import CopiedElements, build_pair, count_context_cuts
+from tests.helpers import build_pair, count_context_cuts, decode_step_copies
 
 
 GREEDY = {"do_sample": False, "pad_token_id": 0}
@@ -22,14 +20,6 @@ GREEDY = {"do_sample": False, "pad_token_id": 0}
 @pytest.fixture(autouse=True)
 def without_decode_kernel(monkeypatch):
     monkeypatch.setenv(cpu_decode.ENV_VAR, "0")
-
-
-@pytest.fixture
-def threads():
-    """Set the torch thread count for one test (the suite runs one per worker)."""
-    before = torch.get_num_threads()
-    yield torch.set_num_threads
-    torch.set_num_threads(before)
 
 
 @pytest.fixture
@@ -148,23 +138,6 @@ def test_other_calls_go_to_the_kernel_whole(threads, case):
     assert context_splits(query, key, value, mask, **options) == 1
 
 
-def test_compiled_code_calls_the_kernel_whole_in_one_graph(threads, short_pieces, monkeypatch):
-    """The thread count cannot be traced: under torch.compile the call goes to the kernel whole, without a break."""
-    threads(2)
-    cuts = count_context_cuts(monkeypatch)
-    query, key, value = decode_inputs(kv_heads=3, groups=3, length=64)
-    query = query.reshape(1, 9, 1, 64)
-
-    def attend(query, key, value):
-        return fused_sdpa(query, key, value, None, is_causal=False, scale=0.125)
-
-    explanation = torch._dynamo.explain(attend)(query, key, value)
-    assert explanation.graph_break_count == 0
-    output = torch.compile(attend, fullgraph=True)(query, key, value)
-    torch.testing.assert_close(output, F.scaled_dot_product_attention(query, key, value, scale=0.125, enable_gqa=True))
-    assert not cuts
-
-
 @pytest.fixture(scope="module")
 def pair():
     return build_pair("llama")
@@ -203,21 +176,12 @@ def test_the_pieces_are_views_of_the_cache_and_a_step_copies_nothing_that_grows(
         return attend(query, key, value, *args)
 
     def step(context: int) -> tuple[Counter, set, set]:
-        inputs = prompt_with_padding(context, padding=0)
-        cache = GrowingCache(ours.config, max_cache_len=context + 1)
-        with torch.no_grad():
-            ours(**inputs, past_key_values=cache, use_cache=True, use_flash_attention=True)
-            seen_storages.clear()
-            with CopiedElements() as counter, pytest.MonkeyPatch.context() as patch:
-                patch.setattr(split_context, "_attend", spy)
-                ours(
-                    input_ids=inputs["input_ids"][:, -1:],
-                    past_key_values=cache,
-                    use_cache=True,
-                    use_flash_attention=True,
-                )
-        storages = {layer.key_storage.untyped_storage().data_ptr() for layer in cache.layers}
-        return counter.counts, set(seen_storages), storages
+        prompt = prompt_with_padding(context, padding=0)
+        seen_storages.clear()
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(split_context, "_attend", spy)
+            copies, storages = decode_step_copies(ours, prompt, {"input_ids": prompt["input_ids"][:, -1:]})
+        return copies, set(seen_storages), storages
 
     short, short_seen, short_storages = step(40)
     long, long_seen, long_storages = step(80)  # 41 and 81 tokens: two pieces and a tail of one each time
