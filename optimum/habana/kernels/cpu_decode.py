@@ -66,8 +66,7 @@ def cpu_decode_applies(
     first time. The kernel reads raw memory: every shape it relies on is checked here, and anything else (a value
     cache of another length, a mask of another shape or dtype) is left to PyTorch's kernel, which raises."""
     if (
-        is_tracing(query)  # a traced graph cannot see a C function: its output would be recorded as a constant
-        or any(type(tensor) is not torch.Tensor for tensor in (query, key, value))  # subclasses: no plain memory
+        any(type(tensor) is not torch.Tensor for tensor in (query, key, value))  # fake, proxy or subclass: no memory
         or query.device.type != "cpu"
         or query.dtype not in CACHE_DTYPES
         or len({query.dtype, key.dtype, value.dtype}) > 1
@@ -82,6 +81,7 @@ def cpu_decode_applies(
         or any(tensor.stride(-1) != 1 for tensor in (query, key, value))
         or query.numel() == 0
         or key.shape[2] == 0
+        or is_tracing(query)  # a traced graph cannot see a C function: its output would be recorded as a constant
     ):
         return False
     if torch.is_grad_enabled() and any(tensor.requires_grad for tensor in (query, key, value)):

@@ -123,7 +123,7 @@ def fused_sdpa(
         # PyTorch's kernels have no valid-length mode; right padding is exact under `is_causal` for the real tokens.
         raise ValueError("valid_sequence_lengths with left padding runs on Gaudi only: permute the rows first")
     if cpu_decode_applies(query, key, value, attn_mask, is_causal=is_causal, dropout_p=dropout_p):
-        # A decode step on CPU (fp32): the kernel built for it reads the cache at memory speed, on every thread.
+        # A decode step on CPU (float32, bfloat16): the kernel built for it reads the cache once, on every thread.
         return cpu_decode_sdpa(query, key, value, attn_mask, scale=scale)
     splits = context_splits(query, key, value, attn_mask, is_causal=is_causal, dropout_p=dropout_p)
     if splits > 1:  # one sequence's decode step on CPU: its context in pieces, so that every thread reads a share
