@@ -68,6 +68,7 @@ def cpu_decode_applies(
     if (
         any(type(tensor) is not torch.Tensor for tensor in (query, key, value))  # fake, proxy or subclass: no memory
         or query.device.type != "cpu"
+        or is_tracing(query)  # a traced graph cannot see a C function: its output would be recorded as a constant
         or query.dtype not in CACHE_DTYPES
         or len({query.dtype, key.dtype, value.dtype}) > 1
         or is_causal
@@ -81,7 +82,6 @@ def cpu_decode_applies(
         or any(tensor.stride(-1) != 1 for tensor in (query, key, value))
         or query.numel() == 0
         or key.shape[2] == 0
-        or is_tracing(query)  # a traced graph cannot see a C function: its output would be recorded as a constant
     ):
         return False
     if torch.is_grad_enabled() and any(tensor.requires_grad for tensor in (query, key, value)):
