@@ -208,6 +208,19 @@ def test_the_calls_it_leaves_to_pytorchs_kernel(case, monkeypatch):
     assert not cpu_decode_applies(query, key, value, mask, **options)
 
 
+@pytest.mark.parametrize(("value", "on"), [("0", False), ("off", False), ("False", False), ("1", True), ("yes", True)])
+def test_the_switch_reads_the_usual_words(monkeypatch, value, on):
+    monkeypatch.setenv(cpu_decode.ENV_VAR, value)
+    assert cpu_decode.turned_on() is on
+
+
+def test_a_switch_value_that_is_neither_is_an_error_naming_it(monkeypatch):
+    monkeypatch.setenv(cpu_decode.ENV_VAR, "fast")
+    query, key, value = decode_inputs(1, 2, 2, 300, 64)
+    with pytest.raises(ValueError, match="OPTIMUM_HABANA_CPU_DECODE_KERNEL='fast': set it to 0 to turn"):
+        fused_sdpa(query, key, value, None, is_causal=False, scale=None)
+
+
 @pytest.mark.parametrize("decode_kernel", ["on", "off"])
 def test_compiled_code_runs_pytorchs_kernel_whole_in_one_graph(threads, monkeypatch, decode_kernel):
     """A compiled graph's kernels are its compiler's, and the thread count cannot be traced: neither the decode

@@ -92,13 +92,29 @@ def cpu_decode_applies(
         or not _mask_fits(attn_mask, (*query.shape[:3], key.shape[2]))
     ):
         return False  # PyTorch's kernel then says what is wrong with it
-    return os.environ.get(ENV_VAR, "1") != "0" and decode_kernel(query.shape[-1], query.dtype) is not None
+    return turned_on() and decode_kernel(query.shape[-1], query.dtype) is not None
 
 
 def decode_kernel_expected(dtype: torch.dtype) -> bool:
     """Whether eager decode steps on CPU in `dtype` would run on the decode kernel here, without building it (for
     run_generation.py's --explain)."""
-    return dtype in CACHE_DTYPES and os.environ.get(ENV_VAR, "1") != "0" and _environment_problem() is None
+    return dtype in CACHE_DTYPES and turned_on() and _environment_problem() is None
+
+
+def turned_on() -> bool:
+    """OPTIMUM_HABANA_CPU_DECODE_KERNEL: on unless set to 0 (or false, off, no); any other value is an error, never
+    read as one or the other."""
+    return _switch(os.environ.get(ENV_VAR, "1"))
+
+
+@functools.cache
+def _switch(value: str) -> bool:
+    word = value.strip().lower()
+    if word in ("1", "true", "on", "yes"):
+        return True
+    if word in ("0", "false", "off", "no"):
+        return False
+    raise ValueError(f"{ENV_VAR}={value!r}: set it to 0 to turn the CPU decode kernel off, or 1 (the default)")
 
 
 def _mask_fits(attn_mask: torch.Tensor, shape: tuple[int, ...]) -> bool:
@@ -246,4 +262,4 @@ def _cpu_features() -> str:
     return "\n".join(next((line for line in lines if line.startswith(field)), "") for field in ("model name", "flags"))
 
 
-__all__ = ["ENV_VAR", "cpu_decode_applies", "cpu_decode_sdpa", "decode_kernel", "decode_kernel_expected"]
+__all__ = ["ENV_VAR", "cpu_decode_applies", "cpu_decode_sdpa", "decode_kernel", "decode_kernel_expected", "turned_on"]
