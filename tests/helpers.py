@@ -22,7 +22,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, PreTrain
 
 from optimum.habana import gaudi_model_class
 from optimum.habana.kernels import dispatch, local_attention, variable_length
-from optimum.habana.transformers import attention
+from optimum.habana.transformers import attention, paged_attention
 from optimum.habana.transformers.growing_cache import GrowingCache
 from optimum.habana.transformers.models import GAUDI_CAUSAL_LM_CLASSES
 from optimum.habana.utils.model_loading import CACHE_ENV_VAR, ResolvedModel, resolve_model
@@ -177,11 +177,14 @@ def count_attention_paths(monkeypatch: pytest.MonkeyPatch, profile: bool = True)
     spy_on_fused_kernel(monkeypatch, lambda function: counted("fused", function))
     monkeypatch.setattr(variable_length, "flex_sdpa", counted("fused", variable_length.flex_sdpa))
     monkeypatch.setattr(attention, "matmul_softmax_attention", counted("default", attention.matmul_softmax_attention))
+    paged = paged_attention.paged_decode_sdpa  # a continuous-batching step's decode rows, over its paged cache
+    monkeypatch.setattr(paged_attention, "paged_decode_sdpa", counted("fused", paged))
     if not profile:
         yield counts
         return
     counts[FUSED_KERNEL_CPU] = 0
     monkeypatch.setattr(dispatch, "cpu_decode_sdpa", counted(FUSED_KERNEL_CPU, dispatch.cpu_decode_sdpa))
+    monkeypatch.setattr(paged_attention, "paged_decode_sdpa", counted(FUSED_KERNEL_CPU, counted("fused", paged)))
     with _KernelCounter(counts, {_ATEN_FLASH_KERNEL_CPU: FUSED_KERNEL_CPU}):
         yield counts
 

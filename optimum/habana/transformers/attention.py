@@ -31,6 +31,7 @@ from ..kernels.variable_length import (
 )
 from .attention_flags import DEFAULT_PATH_FLAGS, AttentionFlags, attention_flags_of, call_attention_flags
 from .batch_layout import paged_segments
+from .paged_attention import paged_step_in_place
 from .planned_masks import is_real_keys_only, planned_mask, prompt_mask, scored_mask
 
 
@@ -80,12 +81,10 @@ def gaudi_attention_forward(
     """
     flags = call_attention_flags(kwargs, model_flag_defaults(module))
     cache = kwargs.pop("cache", None)
-    if isinstance(cache, PagedAttentionCache):  # continuous batching: the layer writes and reads its paged cache
-        key, value = cache.update(key_states=key, value_states=value, layer_idx=module.layer_idx, kwargs=kwargs)
-        if attention_mask is None and sliding_window is None:  # the engine built no mask: the flag's step
-            segments = paged_step_segments(kwargs, query.shape[2], key.shape[2], segment_bounds)
-        for name in CONTINUOUS_BATCHING_KWARGS:
-            kwargs.pop(name, None)
+    paged_cache = cache if isinstance(cache, PagedAttentionCache) else None
+    engine_kwargs = {}
+    if paged_cache is not None:  # the engine's arguments for its cache, read below
+        engine_kwargs = {name: kwargs.pop(name) for name in CONTINUOUS_BATCHING_KWARGS if name in kwargs}
     elif cache is not None:
         kwargs["cache"] = cache  # named among the unknown arguments below
     sinks = kwargs.pop("s_aux", None)  # gpt-oss's name; other families say `sinks`
@@ -99,6 +98,31 @@ def gaudi_attention_forward(
             "spelling), or one the family computes with that the Gaudi attention does not "
             "(`python -m optimum.habana.families` says which families qualify)."
         )
+    if paged_cache is not None:  # continuous batching: the layer writes and reads its paged cache
+        cache_kwargs = {**kwargs, **engine_kwargs}  # what the cache reads (and rewrites: cu_seq_lens_k per layer kind)
+        mask_free = attention_mask is None and sliding_window is None  # the engine built no mask: the flag's step
+        if (
+            mask_free
+            and flags.use_flash_attention
+            and sinks is None
+            and position_bias is None
+            and selected_keys is None
+            and fused_path_refusal(module, softcap, output_attentions) is None
+            and local_extent(module, None, query.shape[2]) == (None, None)
+        ):
+            output = paged_step_in_place(
+                module, query, key, value, paged_cache, cache_kwargs, segment_bounds,
+                scale=scaling, fast_softmax=flags.flash_attention_fast_softmax,
+                recompute=flags.flash_attention_recompute,
+            )  # fmt: skip
+            if output is not None:
+                warn_about_default_path_flags(flags)
+                return output.transpose(1, 2).contiguous(), None
+        key, value = paged_cache.update(
+            key_states=key, value_states=value, layer_idx=module.layer_idx, kwargs=cache_kwargs
+        )
+        if mask_free:
+            segments = paged_step_segments(cache_kwargs, query.shape[2], key.shape[2], segment_bounds)
     if segments is not None:
         key, value = key[:, :, : segments.key_ids.shape[1]], value[:, :, : segments.key_ids.shape[1]]
     per_row_sinks = sinks is not None and sinks.dim() > 1
@@ -124,12 +148,7 @@ def gaudi_attention_forward(
             padding_queries = ~padded_prompt.real[:, None, :, None]
             padded_prompt = None
     if flags.use_flash_attention:
-        for name in DEFAULT_PATH_FLAGS:
-            if getattr(flags, name):
-                warn_once(
-                    f"{name} with use_flash_attention: the fused kernel computes its own softmax, so {name} applies "
-                    "only to the calls that take the default path (soft-capped logits, attention weights asked for)."
-                )
+        warn_about_default_path_flags(flags)
         reason = fused_path_refusal(module, softcap, output_attentions)
         if reason is None:
             try:
@@ -157,6 +176,16 @@ def gaudi_attention_forward(
         is_causal=is_causal is not False,
         sinks=sinks,
     )
+
+
+def warn_about_default_path_flags(flags: AttentionFlags) -> None:
+    """One warning for each flag of the default path set with use_flash_attention, whose calls it never reaches."""
+    for name in DEFAULT_PATH_FLAGS:
+        if getattr(flags, name):
+            warn_once(
+                f"{name} with use_flash_attention: the fused kernel computes its own softmax, so {name} applies "
+                "only to the calls that take the default path (soft-capped logits, attention weights asked for)."
+            )
 
 
 def local_extent(module: nn.Module, sliding_window: int | None, q_len: int) -> tuple[int | None, int | None]:
