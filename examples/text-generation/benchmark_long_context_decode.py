@@ -4,6 +4,7 @@
     python examples/text-generation/benchmark_long_context_decode.py --shapes 1x8192 4x2048 8x512
     python examples/text-generation/benchmark_long_context_decode.py --model_name_or_path llama3-8b-attn \
         --preset_layers 4 --shapes 1x16384 1x32768
+    python examples/text-generation/benchmark_long_context_decode.py --continuous_batching --shapes 1x8192
 
 For each batch x context, one prompt is prefilled once and every path decodes from a copy of its cache, with the
 cache its generate() builds by default (this library: `GrowingCache`; stock: `DynamicCache`): `--steps` greedy steps
@@ -11,8 +12,9 @@ at the context and at 64 tokens, `--rounds` rounds in alternating order, medians
 its ratio to stock (flag / stock sdpa, default / stock eager), its context cost (step at the context minus step at
 64 tokens) against the time to read the keys and values once at the read rate a batch-1 linear layer reaches in the
 same run, the bound (weights and cache read once), the memory its cache holds against what its tokens need, the
-most memory its steps needed above that, and whether its tokens equal the default path's. docs/benchmarks.md shows
-the measured tables.
+most memory its steps needed above that, and whether its tokens equal the default path's. With `--continuous_batching`,
+rows for the same prompts served by transformers' continuous-batching engine over its paged cache
+(`optimum.habana.cli.benchmarks.paged_decode`). docs/benchmarks.md shows the measured tables.
 """
 
 import argparse
@@ -22,6 +24,7 @@ import sys
 import torch
 from tabulate import tabulate
 
+from optimum.habana.cli.benchmarks import paged_decode
 from optimum.habana.cli.benchmarks.long_context_decode import (
     BASE_CONTEXT,
     MIB,
@@ -35,6 +38,7 @@ from optimum.habana.cli.benchmarks.long_context_decode import (
     measure_shape,
     prefill,
     profiled_step,
+    prompt_ids,
     set_malloc_thresholds,
 )
 from optimum.habana.cli.benchmarks.models import PRESETS, ModelSpec
@@ -94,6 +98,13 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
         help="Add a row for the flag on PyTorch's flash kernel without cutting a one-sequence decode step's context "
         "into pieces for the threads (optimum.habana.kernels.split_context): what the cut gains.",
     )
+    parser.add_argument(
+        "--continuous_batching",
+        action="store_true",
+        help="Add rows for the same prompts served by transformers' continuous-batching engine (its paged cache): the "
+        "flag reading it in place, the flag on the engine's gather, and stock sdpa. Each run prefills its prompts "
+        "through the engine (about 35 s at 1 x 8192 on 2 cores).",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=None, help="Torch threads (default: torch's).")
     arguments = parser.parse_args(argv)
@@ -101,7 +112,9 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
         if getattr(arguments, name) < 1:
             parser.error(f"--{name} must be at least 1, got {getattr(arguments, name)}.")
     if arguments.random_cache is None:
-        arguments.random_cache = arguments.model_name_or_path in PRESETS
+        arguments.random_cache = arguments.model_name_or_path in PRESETS and not arguments.continuous_batching
+    if arguments.continuous_batching and arguments.random_cache:
+        parser.error("--continuous_batching serves real prompts through the engine: drop --random_cache.")
     return arguments
 
 
@@ -121,6 +134,12 @@ def main(argv: list[str] | None = None, control_malloc: bool = False) -> int:
         f"{read_rate / 1e9:.1f} GB/s; weights {weights / MIB:.0f} MiB; keys and values {per_token:,} bytes a token; "
         f"cache {'random' if arguments.random_cache else 'prefilled'}"
     )
+    engines = paged_decode.engine_paths(paths) if arguments.continuous_batching else []
+    for model in {id(engine.model): engine.model for engine in engines}.values():
+        if note := paged_decode.check_positions(
+            model, max(context for _, context in arguments.shapes), arguments.steps
+        ):
+            print(note)
     rows = []
     with exit_on_interrupt_or_oom(
         "benchmark_long_context_decode.py",
@@ -140,16 +159,20 @@ def main(argv: list[str] | None = None, control_malloc: bool = False) -> int:
                 control_malloc=control_malloc,
             )
             del kv
+            if engines:
+                progress = functools.partial(say, f"{batch} x {context}:")
+                ids = prompt_ids(config, batch, context, arguments.seed)
+                timings |= paged_decode.measure_engine_shape(engines, ids, arguments.steps, arguments.rounds, progress)
             kv_read = batch * context * per_token / read_rate
             bound = batch * read_rate / (weights + batch * context * per_token)
-            for path in paths:
-                timing = timings[path.name]
-                reference = timings.get(REFERENCE.get(path.name, ""))
-                needed = batch * (context + arguments.steps) * per_token
+            needed = batch * (context + arguments.steps) * per_token
+            for name, timing in timings.items():
+                reference = timings.get({**REFERENCE, **paged_decode.REFERENCE}.get(name, ""))
+                dense = name not in {engine.name for engine in engines}  # the engine's memory: its own, not measured
                 rows.append(
                     {
                         "batch x context": f"{batch} x {context}",
-                        "path": path.name,
+                        "path": name,
                         "step [ms]": f"{timing.long_step * 1e3:.1f}",
                         "tok/s": f"{batch / timing.long_step:.1f}",
                         "vs stock": f"{reference.long_step / timing.long_step:.2f}" if reference else "-",
@@ -157,8 +180,10 @@ def main(argv: list[str] | None = None, control_malloc: bool = False) -> int:
                         "KV read once [ms]": f"{kv_read * 1e3:.1f}",
                         "cost / KV read": f"{timing.context_cost / kv_read:.2f}",
                         "bound tok/s": f"{bound:.1f}",
-                        "cache held / needed [MiB]": f"{timing.cache_bytes / MIB:.0f} / {needed / MIB:.0f}",
-                        "step peak [MiB]": f"{timing.step_peak_bytes / MIB:.0f}",
+                        "cache held / needed [MiB]": (
+                            f"{timing.cache_bytes / MIB:.0f} / {needed / MIB:.0f}" if dense else "-"
+                        ),
+                        "step peak [MiB]": f"{timing.step_peak_bytes / MIB:.0f}" if dense else "-",
                         "tokens": "same" if torch.equal(timing.tokens, timings["default"].tokens) else "differ",
                     }
                 )

@@ -63,6 +63,37 @@ def test_the_pytorch_kernel_and_whole_context_rows_are_the_flag_without_the_kern
         assert kernel_calls == {3: 6}  # the query group of 3 as rows
 
 
+def test_the_continuous_batching_rows_serve_the_same_prompts_through_the_engine(capsys, monkeypatch):
+    """The engine's rows decode the other rows' prompts to the default path's tokens; the flag's decode rows read the
+    paged cache in place on one row and never on the engine's-gather row (its steps: 3 at the context and 3 at 64
+    tokens, one kernel call each for both requests; the first token comes from the prompt)."""
+    from optimum.habana.cli.benchmarks import paged_decode
+    from optimum.habana.transformers import paged_attention
+
+    in_place: list[int] = []
+    attend = paged_attention.paged_decode_sdpa
+    monkeypatch.setattr(
+        paged_attention, "paged_decode_sdpa", lambda query, *a, **k: in_place.append(1) or attend(query, *a, **k)
+    )
+    argv = [*SMALL, "--shapes", "2x96", "--steps", "3", "--rounds", "1", "--continuous_batching"]
+    assert load_script(SCRIPT).main(argv) == 0
+    header, *rows = table_rows(capsys.readouterr().out)
+    measured = {row[1]: row for row in rows if row[0] == "2 x 96"}
+    engine_rows = [paged_decode.IN_PLACE, paged_decode.GATHERED, paged_decode.STOCK]
+    assert list(measured) == ["flag", "default", "stock sdpa", "stock eager", *engine_rows]
+    assert all(row[-1] == "same" for row in measured.values())
+    assert measured[paged_decode.IN_PLACE][header.index("vs stock")] != "-"
+    assert measured[paged_decode.STOCK][header.index("cache held / needed [MiB]")] == "-"
+    if cpu_decode._environment_problem() is None:
+        assert len(in_place) == 2 * 3  # the in-place row's decode steps, one layer; none on the gather's row
+
+
+def test_continuous_batching_rows_need_real_prompts():
+    with pytest.raises(SystemExit) as exit_info:
+        load_script(SCRIPT).main([*SMALL, "--continuous_batching", "--random_cache"])
+    assert exit_info.value.code == 2
+
+
 @pytest.mark.parametrize("argv", [["--shapes", "1x32"], ["--shapes", "0x512"], ["--steps", "0"], ["--profile", "x"]])
 def test_bad_arguments_are_usage_errors(argv):
     with pytest.raises(SystemExit) as exit_info:

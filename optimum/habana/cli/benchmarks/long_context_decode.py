@@ -106,6 +106,12 @@ def kv_bytes_per_token(config: Any, dtype: torch.dtype) -> int:
     return 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * element
 
 
+def prompt_ids(config: Any, batch: int, context: int, seed: int) -> torch.Tensor:
+    """The random prompt of a shape (`[batch, context]` token ids), the same for every path."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(3, config.vocab_size, (batch, context), generator=generator)
+
+
 @torch.no_grad()
 def prefill(
     model: torch.nn.Module, batch: int, context: int, seed: int, random_cache: bool
@@ -118,7 +124,7 @@ def prefill(
     generator = torch.Generator().manual_seed(seed)
     device = next(model.parameters()).device
     config = model.config
-    ids = torch.randint(3, config.vocab_size, (batch, context), generator=generator).to(device)
+    ids = prompt_ids(config, batch, context, seed).to(device)
     if not random_cache:
         output = model(input_ids=ids, use_cache=True, logits_to_keep=1, use_flash_attention=True)
         layers = output.past_key_values.layers
@@ -310,5 +316,6 @@ __all__ = [
     "measure_shape",
     "prefill",
     "profiled_step",
+    "prompt_ids",
     "set_malloc_thresholds",
 ]
