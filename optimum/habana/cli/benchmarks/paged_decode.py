@@ -2,7 +2,7 @@
 paged cache, from the same prompts the other rows prefill.
 
 Each path serves the shape's prompts (one request per sequence, the same token ids as the other rows' prefill) through
-`generate_batch` for one token from the prompt and `--steps` decode steps after it. A step is timed from one engine
+`generate_batch` for one token from the prompts (all in the engine's first step) and `--steps` decode steps after it. A step is timed from one engine
 forward to the next while every request decodes (the engine's own work between forwards included: it is the cost of
 a token there), at the long context and at BASE_CONTEXT tokens (the prompts' first tokens), `--rounds` times in
 alternating order, medians. The paths:
@@ -35,7 +35,6 @@ STOCK = "stock sdpa, continuous batching"
 # Each path's whole step is compared with this one's, same shape, same run.
 REFERENCE = {IN_PLACE: STOCK, GATHERED: STOCK}
 PAGE_SIZE = 256
-MAX_BATCH_TOKENS = 2048  # prompt tokens per engine step (the prompts come in chunks of at most this)
 
 
 @dataclass(frozen=True)
@@ -90,7 +89,9 @@ def engine_steps(path: EnginePath, prompts: list[list[int]], steps: int) -> tupl
 
     config = GenerationConfig(max_new_tokens=steps + 1, do_sample=False, eos_token_id=-1, pad_token_id=0, **path.flags)
     pages = len(prompts) * -(-(len(prompts[0]) + steps + 1) // PAGE_SIZE)
-    engine = ContinuousBatchingConfig(page_size=PAGE_SIZE, num_blocks=pages + 1, max_batch_tokens=MAX_BATCH_TOKENS)
+    # Every prompt in the first step, as the other rows prefill them: then every request decodes at every step.
+    prompt_tokens = sum(len(prompt) for prompt in prompts)
+    engine = ContinuousBatchingConfig(page_size=PAGE_SIZE, num_blocks=pages + 1, max_batch_tokens=prompt_tokens)
     hook = path.model.register_forward_pre_hook(started, with_kwargs=True)
     with contextlib.ExitStack() as settings:
         if not path.in_place:
