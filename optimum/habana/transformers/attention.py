@@ -31,7 +31,7 @@ from ..kernels.variable_length import (
 )
 from .attention_flags import DEFAULT_PATH_FLAGS, AttentionFlags, attention_flags_of, call_attention_flags
 from .batch_layout import paged_segments
-from .paged_attention import paged_step_in_place
+from .paged_attention import check_cache_geometry, paged_step_in_place
 from .planned_masks import is_real_keys_only, planned_mask, prompt_mask, scored_mask
 
 
@@ -99,6 +99,7 @@ def gaudi_attention_forward(
             "(`python -m optimum.habana.families` says which families qualify)."
         )
     if paged_cache is not None:  # continuous batching: the layer writes and reads its paged cache
+        check_cache_geometry(module, key, value, paged_cache)
         cache_kwargs = {**kwargs, **engine_kwargs}  # what the cache reads (and rewrites: cu_seq_lens_k per layer kind)
         mask_free = attention_mask is None and sliding_window is None  # the engine built no mask: the flag's step
         if (

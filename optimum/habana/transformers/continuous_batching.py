@@ -226,12 +226,20 @@ def blocks_needed(tokens: int, page_size: int, config: Any) -> int:
 def check_engine_serves(model: Any) -> None:
     """Refuse, in one line and before any request, a family transformers' engine cannot serve. Its paged cache holds
     full and sliding-window attention layers of one geometry, `config.head_dim` per head: latent attention (keys and
-    values of other sizes: stock fails every request), other layer kinds (linear attention, chunked or indexed
-    attention) and per-layer geometry are refused by the engine itself, deep inside it."""
+    values of other sizes: stock fails every request), several attention calls per layer (each would write the
+    cache: stock gives wrong tokens), other layer kinds (linear attention, chunked or indexed attention) and per-layer
+    geometry are refused by the engine itself, deep inside it."""
     config = model.config
     name = type(model).__name__
-    if LATENT in family_report(config.model_type).variants:
+    report = family_report(config.model_type)
+    if LATENT in report.variants:
         problem = "its latent attention keeps keys and values of other sizes than config.head_dim, which the paged cache holds"
+    elif report.calls_per_attention > 1:
+        problem = (
+            f"its attention calls the attention function {report.calls_per_attention} times per layer, with other "
+            "values each time, and every call writes them into the engine's paged cache (stock transformers gives "
+            "wrong tokens there)"
+        )
     elif other := sorted(set(getattr(config, "layer_types", None) or ()) - {"full_attention", "sliding_attention"}):
         problem = f"its layers of kind {', '.join(other)} have no paged cache (only full and sliding-window attention)"
     elif getattr(config, "is_heterogeneous", False):

@@ -22,6 +22,25 @@ from ..kernels.cpu_decode import paged_decode_applies, paged_decode_sdpa
 from ..kernels.variable_length import Segment, fused_attention_per_segment
 
 
+def check_cache_geometry(
+    module: nn.Module, key: torch.Tensor, value: torch.Tensor, cache: PagedAttentionCache
+) -> None:
+    """One line naming the mismatch, where a family hands the cache keys or values of another geometry than the one
+    the engine sized its pages for from the config (`num_key_value_heads`, `head_dim`): the cache's own write would
+    fail deep inside it (a family that repeats its key/value heads before the attention, as JetMoe does)."""
+    allocator = cache.layer_to_allocator[module.layer_idx]
+    heads, head_dim = getattr(allocator, "num_key_value_heads", None), getattr(allocator, "head_dim", None)
+    if heads is None or head_dim is None:
+        return
+    if key.shape[1] != heads or key.shape[-1] != head_dim or value.shape[1:2] + value.shape[3:] != (heads, head_dim):
+        raise ValueError(
+            f"{type(module).__name__} cannot run in transformers' continuous batching: it hands the attention keys of "
+            f"{key.shape[1]} heads of {key.shape[-1]} and values of {value.shape[1]} heads of {value.shape[-1]}, and "
+            f"the engine's paged cache holds {heads} heads of {head_dim} (from the config's num_key_value_heads and "
+            "head_dim). Use generate() for this model."
+        )
+
+
 def paged_step_in_place(
     module: nn.Module,
     query: torch.Tensor,
@@ -81,4 +100,4 @@ def paged_step_in_place(
     return output
 
 
-__all__ = ["paged_step_in_place"]
+__all__ = ["check_cache_geometry", "paged_step_in_place"]

@@ -114,6 +114,7 @@ class FamilyReport:
     variants: tuple[str, ...] = ()  # the attention variants its code uses
     mask_free: bool = False  # the batch plan may replace the decoder's 4-D masks
     attention_classes: tuple[str, ...] = ()
+    calls_per_attention: int = 1  # the most attention-function calls one attention module's forward makes
 
     @property
     def fused_path(self) -> str:
@@ -183,6 +184,7 @@ def _judge(model_type: str, stock: type) -> FamilyReport:
         variants=_variants(stock, attention),
         mask_free=_mask_free(stock, edges, attention),
         attention_classes=names,
+        calls_per_attention=max(len(interface_calls(cls)) for cls in attention),
     )
 
 
