@@ -8,12 +8,13 @@ import torch
 import torch.nn.functional as F
 from transformers import GenerationConfig
 from transformers.generation.configuration_utils import ContinuousBatchingConfig
+from transformers.generation.continuous_batching.cache import group_layers_by_attn_type
 from transformers.generation.continuous_batching.cache_allocators import FullAttentionCacheAllocator
 
 from optimum.habana.kernels import cpu_decode
 from optimum.habana.kernels.cpu_decode import paged_decode_applies, paged_decode_sdpa
-from optimum.habana.transformers import paged_attention
-from tests.helpers import build_pair, count_attention_paths
+from optimum.habana.transformers import attention, paged_attention
+from tests.helpers import SLIDING_WINDOW_CONFIGS, build_pair, count_attention_paths
 
 
 needs_kernel = pytest.mark.skipif(
@@ -188,6 +189,35 @@ def test_the_flag_reads_the_paged_cache_in_place_and_gives_generates_tokens(
             assert max(rows) == len(requests)  # the requests decoding together, in one call
         else:  # the default path reads what the engine gathers (the spy can see a gather)
             assert max(reads) > 0 and not rows
+
+
+@needs_kernel
+@pytest.mark.parametrize("model_type", ["qwen2", "gemma3_text"])
+def test_full_attention_layers_beside_sliding_windows_read_in_place(model_type, monkeypatch):
+    """An alternating model: the engine builds its masks (the windows need them), the sliding-window layers read them
+    over the engine's gather (at most a window of tokens), the full-attention layers read their pages in place."""
+    ours, _ = build_pair(model_type, **SLIDING_WINDOW_CONFIGS[model_type])
+    generator = torch.Generator().manual_seed(1)
+    requests = [torch.randint(3, 256, (length,), generator=generator).tolist() for length in (8, 3, 13)]
+    expected = [
+        ours.generate(torch.tensor([ids]), generation_config=greedy())[0, len(ids) :].tolist() for ids in requests
+    ]
+    full = group_layers_by_attn_type(ours.config)["full_attention"]
+    in_place_layers = []
+    attend = paged_attention.paged_step_in_place
+
+    def spied(module, *args, **kwargs):
+        output = attend(module, *args, **kwargs)
+        if output is not None:
+            in_place_layers.append(module.layer_idx)
+        return output
+
+    monkeypatch.setattr(attention, "paged_step_in_place", spied)
+    outputs = ours.generate_batch(
+        requests, generation_config=greedy(use_flash_attention=True), continuous_batching_config=engine(16)
+    )
+    assert by_request(outputs) == expected
+    assert in_place_layers and set(in_place_layers) == set(full)
 
 
 @needs_kernel

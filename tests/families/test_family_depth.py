@@ -10,11 +10,13 @@ import pytest
 import torch
 from transformers import DataCollatorWithFlattening, GenerationConfig
 from transformers.generation.configuration_utils import ContinuousBatchingConfig
+from transformers.generation.continuous_batching.cache import group_layers_by_attn_type
+from transformers.generation.continuous_batching.cache_allocators import FULL_ATTENTION
 
 from optimum.habana import gaudi_model_class, supported_model_types
 from optimum.habana.kernels import cpu_decode, split_context
 from optimum.habana.transformers import paged_attention
-from optimum.habana.transformers.batch_layout import can_run_packed, padding_mask_is_all_it_needs
+from optimum.habana.transformers.batch_layout import can_run_packed, local_layers_run_planned
 from optimum.habana.transformers.continuous_batching import check_engine_serves
 from optimum.habana.transformers.families.qualification import SINKS, SOFTCAP
 from optimum.habana.transformers.models import family_table
@@ -141,8 +143,8 @@ ENGINE_FAILS = {
 )
 def test_continuous_batching_reads_the_paged_cache_in_place_and_gives_generates_tokens(model_type, monkeypatch):
     """Every family transformers' engine serves: with the flag, each request's greedy fp32 tokens are its own
-    generate()'s, and where the step needs no mask (every layer full attention, no sinks, no soft cap) its decode rows
-    read the paged cache in place (`transformers/paged_attention.py`). A family it cannot serve is refused before any
+    generate()'s, and its full-attention layers' decode rows read the paged cache in place (`paged_attention.py`) where
+    only the attention reads the masks and no sink or soft cap takes them elsewhere. A family it cannot serve is refused before any
     request, with its reason, or fails each request with that reason in one line."""
     ours, _ = family_pair(model_type)
     calls = family_table()[model_type].calls_per_attention
@@ -177,7 +179,8 @@ def test_continuous_batching_reads_the_paged_cache_in_place_and_gives_generates_
         return
     assert [output.generated_tokens for output in ordered] == expected
     variants = set(family_table()[model_type].variants)
-    reads_in_place = padding_mask_is_all_it_needs(ours.config) and not variants & {SINKS, SOFTCAP}
+    full_layers = FULL_ATTENTION in group_layers_by_attn_type(ours.config)
+    reads_in_place = full_layers and local_layers_run_planned(ours.config) and not variants & {SINKS, SOFTCAP}
     if cpu_decode._environment_problem() is None:
         assert bool(in_place) == reads_in_place
 

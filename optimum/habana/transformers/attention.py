@@ -102,8 +102,12 @@ def gaudi_attention_forward(
         check_cache_geometry(module, key, value, paged_cache)
         cache_kwargs = {**kwargs, **engine_kwargs}  # what the cache reads (and rewrites: cu_seq_lens_k per layer kind)
         mask_free = attention_mask is None and sliding_window is None  # the engine built no mask: the flag's step
+        # The decoder plans the step's sequences where a layer may run them without the engine's mask: every layer
+        # when the engine built none, and the full-attention layers beside sliding-window ones (their mask is each
+        # sequence's causal mask, which the bounds give).
         if (
-            mask_free
+            segment_bounds is not None
+            and sliding_window is None
             and flags.use_flash_attention
             and sinks is None
             and position_bias is None

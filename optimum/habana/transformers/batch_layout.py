@@ -61,7 +61,10 @@ def _plan(config: PreTrainedConfig, kwargs: dict[str, Any]) -> dict[str, Any]:
         return {}
     attention_mask, cache = kwargs.get("attention_mask"), kwargs.get("past_key_values")
     if kwargs.get("cache") is not None:  # a continuous-batching step: the engine's paged cache
-        if kwargs["use_flash_attention"] and attention_mask is None and host_reads_allowed(tokens):
+        # Its sequences, where a layer may run them without the engine's mask: every layer when the engine built
+        # none, the full-attention layers beside sliding-window ones (`paged_attention.py`).
+        planned = attention_mask is None or local_layers_run_planned(config)
+        if kwargs["use_flash_attention"] and planned and host_reads_allowed(tokens):
             return {"segment_bounds": paged_bounds(kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k"))}
         return {}
     if attention_mask is None and cache is None and tokens.shape[1] > 1 and can_run_packed(config):
