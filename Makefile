@@ -17,7 +17,7 @@ test:
 	$(PYTHON) -m pytest -n $(PYTEST_WORKERS) --durations=20 tests
 
 # Every qualifying family's static-cache generate, training step, packed training step, and decode steps on the
-# decode kernel and cut for idle threads (about 40 seconds on 2 cores): the `families` marker, which `make test` leaves out; CI runs both.
+# decode kernel and cut for idle threads, and continuous batching (about a minute on 2 cores): the `families` marker, which `make test` leaves out; CI runs both.
 test-families:
 	$(PYTHON) -m pytest -n $(PYTEST_WORKERS) -m families tests/families
 

@@ -1,7 +1,7 @@
 """Every qualifying family beyond the prompt: a static-cache generate, a training step, a packed training step, a
 one-sequence decode with its context cut for idle threads, decode steps on the decode kernel, and continuous batching.
 
-These run outside `make test`, in `.ci/run` (`make test-families`, about 40 seconds on 2 cores), under the
+These run outside `make test`, in `.ci/run` (`make test-families`, about a minute on 2 cores), under the
 `families` marker, which keeps `make test` clear of its 8-minute budget. What they hold each family to is what the
 14 written families are held to in tests/core.
 """
