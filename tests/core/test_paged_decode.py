@@ -6,7 +6,6 @@ gets its own generate()'s greedy tokens."""
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import GenerationConfig
 from transformers.generation.configuration_utils import ContinuousBatchingConfig
 from transformers.generation.continuous_batching.cache import group_layers_by_attn_type
 from transformers.generation.continuous_batching.cache_allocators import FullAttentionCacheAllocator
@@ -14,13 +13,13 @@ from transformers.generation.continuous_batching.cache_allocators import FullAtt
 from optimum.habana.kernels import cpu_decode
 from optimum.habana.kernels.cpu_decode import paged_decode_applies, paged_decode_sdpa
 from optimum.habana.transformers import attention, paged_attention
+from tests.core.test_continuous_batching import NEW_TOKENS, by_request, greedy_config
 from tests.helpers import SLIDING_WINDOW_CONFIGS, build_pair, count_attention_paths
 
 
 needs_kernel = pytest.mark.skipif(
     cpu_decode._environment_problem() is not None, reason=f"no decode kernel here: {cpu_decode._environment_problem()}"
 )
-NEW_TOKENS = 6
 
 
 def paged_inputs(heads: int, kv_heads: int, head_dim: int, lengths: list[int], dtype=torch.float32, seed: int = 0):
@@ -119,16 +118,6 @@ def engine(max_batch_tokens: int = 64) -> ContinuousBatchingConfig:
     return ContinuousBatchingConfig(page_size=16, num_blocks=48, max_batch_tokens=max_batch_tokens)
 
 
-def greedy(**overrides) -> GenerationConfig:
-    values = {"max_new_tokens": NEW_TOKENS, "do_sample": False, "eos_token_id": -1, "pad_token_id": 0}
-    return GenerationConfig(**{**values, **overrides})
-
-
-def by_request(outputs: dict) -> list[list[int]]:
-    ordered = sorted(outputs.values(), key=lambda output: int(output.request_id.rsplit("_", 1)[-1]))
-    return [output.generated_tokens for output in ordered]
-
-
 def engine_reads(monkeypatch) -> list[int]:
     """The tokens each call of the engine's cache update gathered back (`index_select`): 0 where it only wrote."""
     reads: list[int] = []
@@ -169,16 +158,19 @@ def test_the_flag_reads_the_paged_cache_in_place_and_gives_generates_tokens(
     generator = torch.Generator().manual_seed(0)
     requests = [torch.randint(3, 256, (length,), generator=generator).tolist() for length in prompt_lengths]
     expected = [
-        ours.generate(torch.tensor([ids]), generation_config=greedy())[0, len(ids) :].tolist() for ids in requests
+        ours.generate(torch.tensor([ids]), generation_config=greedy_config())[0, len(ids) :].tolist()
+        for ids in requests
     ]
-    stock_outputs = stock.generate_batch(requests, generation_config=greedy(), continuous_batching_config=engine())
+    stock_outputs = stock.generate_batch(
+        requests, generation_config=greedy_config(), continuous_batching_config=engine()
+    )
     assert by_request(stock_outputs) == expected
     for flag in (True, False):
         with monkeypatch.context() as patch:
             reads, rows = engine_reads(patch), paged_rows(patch)
             outputs = ours.generate_batch(
                 requests,
-                generation_config=greedy(use_flash_attention=flag),
+                generation_config=greedy_config(use_flash_attention=flag),
                 continuous_batching_config=engine(max_batch_tokens),
             )
         assert by_request(outputs) == expected, f"use_flash_attention={flag}"
@@ -200,7 +192,8 @@ def test_full_attention_layers_beside_sliding_windows_read_in_place(model_type, 
     generator = torch.Generator().manual_seed(1)
     requests = [torch.randint(3, 256, (length,), generator=generator).tolist() for length in (8, 3, 13)]
     expected = [
-        ours.generate(torch.tensor([ids]), generation_config=greedy())[0, len(ids) :].tolist() for ids in requests
+        ours.generate(torch.tensor([ids]), generation_config=greedy_config())[0, len(ids) :].tolist()
+        for ids in requests
     ]
     full = group_layers_by_attn_type(ours.config)["full_attention"]
     in_place_layers = []
@@ -214,7 +207,7 @@ def test_full_attention_layers_beside_sliding_windows_read_in_place(model_type, 
 
     monkeypatch.setattr(attention, "paged_step_in_place", spied)
     outputs = ours.generate_batch(
-        requests, generation_config=greedy(use_flash_attention=True), continuous_batching_config=engine(16)
+        requests, generation_config=greedy_config(use_flash_attention=True), continuous_batching_config=engine(16)
     )
     assert by_request(outputs) == expected
     assert in_place_layers and set(in_place_layers) == set(full)
@@ -231,7 +224,9 @@ def test_without_the_kernel_the_engine_gathers_and_the_tokens_are_the_same(monke
             reads = engine_reads(patch)
             with count_attention_paths(patch, profile=False) as counts:
                 outputs = ours.generate_batch(
-                    requests, generation_config=greedy(use_flash_attention=True), continuous_batching_config=engine()
+                    requests,
+                    generation_config=greedy_config(use_flash_attention=True),
+                    continuous_batching_config=engine(),
                 )
         tokens[switch] = by_request(outputs)
         assert counts["default"] == 0 and counts["fused"] > 0
@@ -246,7 +241,7 @@ def test_bfloat16_continuous_batching_gives_generates_tokens_on_the_same_kernel(
     ours, _ = build_pair("llama")
     ours = ours.to(torch.bfloat16)
     requests = [[5, 6, 7, 8, 9], [9, 10, 11], list(range(20, 33))]
-    config = greedy(use_flash_attention=True)
+    config = greedy_config(use_flash_attention=True)
     for switch in ("1", "0"):
         monkeypatch.setenv(cpu_decode.ENV_VAR, switch)
         expected = [
