@@ -13,6 +13,10 @@ runs on PyTorch's own OpenMP threads (the library links
 the `libgomp` PyTorch has loaded: a second OpenMP runtime's threads would fight PyTorch's for the cores). Where it
 cannot be built (no C compiler, no `libgomp` in this process), one warning says so and PyTorch's kernel runs.
 `OPTIMUM_HABANA_CPU_DECODE_KERNEL=0` turns it off.
+
+Its paged entry (`paged_decode_sdpa`) reads transformers' continuous-batching cache where it lies, each sequence's
+tokens at the slots the engine's read index names, for every sequence's decode row in one call
+(`transformers/paged_attention.py`).
 """
 
 import ctypes
@@ -213,13 +217,12 @@ def paged_decode_sdpa(
     bounds = torch.tensor([starts, lengths], dtype=torch.int64)
     output = torch.empty(sequences, heads, head_dim)
     threads = torch.get_num_threads()
-    chunk = PAGED_CHUNK
     failed = decode_kernel(head_dim, keys.dtype).paged_decode_attention(
         query.data_ptr(), *query.stride()[:2],
         keys.data_ptr(), *keys.stride()[:2],
         values.data_ptr(), *values.stride()[:2],
         min(keys.shape[0], values.shape[0]), slots.data_ptr(), bounds[0].data_ptr(), bounds[1].data_ptr(),
-        output.data_ptr(), sequences, heads, kv_heads, scale, chunk, threads,
+        output.data_ptr(), sequences, heads, kv_heads, scale, PAGED_CHUNK, threads,
     )  # fmt: skip
     if failed == 2:
         raise ValueError(
