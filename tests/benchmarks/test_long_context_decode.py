@@ -88,6 +88,26 @@ def test_the_continuous_batching_rows_serve_the_same_prompts_through_the_engine(
         assert len(in_place) == 2 * 3  # the in-place row's decode steps, one layer; none on the gather's row
 
 
+def test_the_engine_rows_raise_the_models_positions_only_where_rope_does_not_read_them():
+    """The engine refuses a prompt past max_position_embeddings, which the dense rows decode past: raised for the run
+    (and said) under default RoPE; under a RoPE that reads it, an error naming the longest context that fits."""
+    from transformers import LlamaConfig
+
+    from optimum.habana.cli.benchmarks.paged_decode import check_positions
+
+    model = torch.nn.Module()
+    model.config = LlamaConfig(max_position_embeddings=128)
+    assert check_positions(model, 100, 12) is None and model.config.max_position_embeddings == 128
+    note = check_positions(model, 128, 12)
+    assert "raised from 128 to 141" in note and model.config.max_position_embeddings == 141
+    model.config = LlamaConfig(
+        max_position_embeddings=128, rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
+    )
+    with pytest.raises(ValueError, match="its dynamic RoPE depends on that value: use contexts of at most 115 tokens"):
+        check_positions(model, 128, 12)
+    assert model.config.max_position_embeddings == 128
+
+
 def test_continuous_batching_rows_need_real_prompts():
     with pytest.raises(SystemExit) as exit_info:
         load_script(SCRIPT).main([*SMALL, "--continuous_batching", "--random_cache"])
