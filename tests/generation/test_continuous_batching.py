@@ -5,6 +5,11 @@ import json
 import pytest
 from transformers.generation.continuous_batching.scheduler import Scheduler
 
+from optimum.habana.cli.generation.explain import explain
+from optimum.habana.cli.generation.explain_engine import PAGED_ENTRY
+from optimum.habana.kernels import cpu_decode
+from optimum.habana.transformers import paged_attention
+from tests.generation.support import parse
 from tests.helpers import count_attention_paths
 
 
@@ -179,3 +184,22 @@ def test_fewer_prompts_than_batch_size_are_cycled_to_that_many_requests(script, 
     )
     assert results["stats"]["requests"] == 3 and results["stats"]["paged_cache"]["max_requests_per_batch"] == 3
     assert "Note:" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("switch", ["1", "0"], ids=["decode kernel", "no decode kernel"])
+@pytest.mark.parametrize("flag", [[], ["--use_flash_attention"]], ids=["default", "flash"])
+def test_explain_says_what_the_engine_steps_do(flag, switch, script, tiny_checkpoint, tmp_path, monkeypatch):
+    """--explain with --continuous_batching accounts for the engine's steps, not generate()'s padded batch: the
+    decode lines name the paged entry exactly when the run's decode rows read the paged cache in place."""
+    monkeypatch.setenv(cpu_decode.ENV_VAR, switch)
+    argv = [*prompt_arguments(), "--continuous_batching", *flag]
+    text = explain(parse(tiny_argv(tiny_checkpoint, *argv)))
+    assert "each its own request in transformers' continuous batching" in text and "paged cache" in text
+    decode_lines = text.split("engine steps decoding")[1].split("Graphs:")[0]
+    in_place = []
+    attend = paged_attention.paged_decode_sdpa
+    monkeypatch.setattr(paged_attention, "paged_decode_sdpa", lambda *a, **k: in_place.append(1) or attend(*a, **k))
+    with count_attention_paths(monkeypatch, profile=False) as counts:
+        run(script, tiny_checkpoint, tmp_path, *argv)
+    assert (PAGED_ENTRY in decode_lines) == bool(in_place), text
+    assert ("default path" in text) == bool(counts["default"]), text

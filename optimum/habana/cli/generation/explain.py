@@ -33,6 +33,7 @@ from optimum.habana.utils.model_loading import (
 )
 
 from .arguments import ExecutionArguments, ScriptArguments, WorkloadArguments, flag_notes, resolve_execution
+from .explain_engine import engine_call_accounts
 from .explain_graphs import graph_accounts
 from .generation_config import kv_cache_layout
 from .prompts import check_sequence_length, prompt_pool, prompts_for_batch, render_prompts, tokenize_prompts
@@ -90,6 +91,7 @@ def explain(arguments: ScriptArguments) -> str:
     groups = attention_layer_groups(model)
     rows = max(workload.num_beams, 1) * workload.batch_size
 
+    engine = arguments.execution.continuous_batching
     lines = [
         f"Explain (nothing runs; config and tokenizer only): {description}",
         f"Model: {model_class.__name__}, {sum(len(group.indices) for group in groups)} attention layers, "
@@ -100,6 +102,12 @@ def explain(arguments: ScriptArguments) -> str:
         + f"; up to {workload.max_new_tokens} new tokens",
         f"KV cache: {layout.describe(max_cache_len)}",
     ]
+    if engine:
+        lines[-2:] = [
+            f"Requests: {workload.batch_size} prompt(s) of up to {input_length} tokens, each its own request in "
+            f"transformers' continuous batching; up to {workload.max_new_tokens} new tokens each",
+            "KV cache: the engine's paged cache (pages shared by every request; no padding)",
+        ]
     if adapter:
         kept = adapter_config["peft_type"] == "ADAPTION_PROMPT"  # cannot be merged into weights
         lines.append(
@@ -116,7 +124,14 @@ def explain(arguments: ScriptArguments) -> str:
     prompt_plan = padding_mask_is_all_it_needs(config) or (device.type != "hpu" and local_layers_run_planned(config))
     # Eager decode steps on CPU run on the decode kernel (kernels/cpu_decode.py); compiled ones on the compiler's.
     decode_kernel = device.type == "cpu" and not arguments.execution.torch_compile and decode_kernel_expected(dtype)
-    for phase in phases(layout.kind, input_length, workload.max_new_tokens, padded, max_cache_len, layout):
+    if engine:
+        max_batch_tokens = arguments.execution.cb_max_batch_tokens
+        lines += engine_call_accounts(
+            flags, groups, config, device, kernel_name(device), decode_kernel, max_batch_tokens
+        )
+    for phase in (
+        [] if engine else phases(layout.kind, input_length, workload.max_new_tokens, padded, max_cache_len, layout)
+    ):
         lines.append(
             f"  {phase.name} (q={phase.q_len}, kv={format_range(phase.kv_lengths)}"
             f"{', padded rows' if phase.padded else ''}):"
