@@ -216,18 +216,16 @@ def paged_decode_sdpa(
     slots = slots.to(torch.int64).contiguous()
     bounds = torch.tensor([starts, lengths], dtype=torch.int64)
     output = torch.empty(sequences, heads, head_dim)
-    threads = torch.get_num_threads()
+    threads, slot_count = torch.get_num_threads(), min(keys.shape[0], values.shape[0])
     failed = decode_kernel(head_dim, keys.dtype).paged_decode_attention(
         query.data_ptr(), *query.stride()[:2],
         keys.data_ptr(), *keys.stride()[:2],
         values.data_ptr(), *values.stride()[:2],
-        min(keys.shape[0], values.shape[0]), slots.data_ptr(), bounds[0].data_ptr(), bounds[1].data_ptr(),
+        slot_count, slots.data_ptr(), bounds[0].data_ptr(), bounds[1].data_ptr(),
         output.data_ptr(), sequences, heads, kv_heads, scale, PAGED_CHUNK, threads,
     )  # fmt: skip
     if failed == 2:
-        raise ValueError(
-            f"a slot of the paged cache's read index lies outside the {min(keys.shape[0], values.shape[0])} it holds"
-        )
+        raise ValueError(f"a slot of the paged cache's read index lies outside the {slot_count} it holds")
     if failed:
         raise MemoryError(f"the CPU decode kernel could not allocate its scratch for {sequences} x {heads} rows")
     return output.view(sequences, heads, head_dim).to(rows_dtype)

@@ -54,12 +54,17 @@ MASK_FREE_STEP_ATTENTION = "gaudi_mask_free_step"
 
 
 def engine_attention(model: Any) -> str:
-    """The name to present to the engine: mask-free where the flag's path reads none (every layer full attention,
-    off Gaudi, whose kernel reads the step's mask)."""
+    """The name to present to the engine: mask-free where the flag's path reads none (`steps_run_mask_free`)."""
     flags = getattr(model, "_continuous_batching_flags", None) or attention_flags_of(model.generation_config)
-    if flags.get("use_flash_attention") and padding_mask_is_all_it_needs(model.config) and model.device.type != "hpu":
+    if steps_run_mask_free(bool(flags.get("use_flash_attention")), model.config, model.device.type):
         return MASK_FREE_STEP_ATTENTION
     return CONTINUOUS_BATCHING_ATTENTION
+
+
+def steps_run_mask_free(use_flash_attention: bool, config: Any, device_type: str) -> bool:
+    """Whether the engine builds no mask for its steps: with the flag, every layer full attention, off Gaudi (whose
+    kernel reads the step's mask)."""
+    return use_flash_attention and padding_mask_is_all_it_needs(config) and device_type != "hpu"
 
 
 class ChosenAttnImplementation(str):
@@ -289,4 +294,5 @@ __all__ = [
     "engine_flags",
     "init_manager",
     "request_problem",
+    "steps_run_mask_free",
 ]

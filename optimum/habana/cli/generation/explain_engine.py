@@ -8,7 +8,8 @@ depends on the flag, the device, the layer's kind and whether the decoder plans 
 import torch
 
 from optimum.habana.transformers.attention_flags import AttentionFlags
-from optimum.habana.transformers.batch_layout import local_layers_run_planned, padding_mask_is_all_it_needs
+from optimum.habana.transformers.batch_layout import local_layers_run_planned
+from optimum.habana.transformers.continuous_batching import steps_run_mask_free
 
 
 PAGED_ENTRY = "the CPU decode kernel's paged entry (optimum.habana.kernels.cpu_decode)"
@@ -26,7 +27,7 @@ def engine_call_accounts(
 ) -> list[str]:
     """The attention-call lines for engine steps with prompts and steps that decode, per layer group (`explain.py`'s
     `LayerGroup`). `kernel`: the device's fused kernel; `decode_kernel`: eager decode on CPU runs the library's."""
-    engine_mask = not (flags.use_flash_attention and padding_mask_is_all_it_needs(config) and device.type != "hpu")
+    engine_mask = not steps_run_mask_free(flags.use_flash_attention, config, device.type)
     # The decoder plans the step's sequences on the host where a layer may run them without the engine's mask.
     planned = (
         flags.use_flash_attention and device.type != "hpu" and (not engine_mask or local_layers_run_planned(config))
@@ -58,15 +59,15 @@ def prompt_account(flags: AttentionFlags, group, kernel: str, engine_mask: bool,
     if default is not None:
         return default
     per_sequence = (
-        f"fused kernel, {kernel}: once per sequence over its own keys, is_causal=True (a chunk after cached tokens: "
-        "its bottom-right [q, kv] causal mask)"
+        "once per sequence over its own keys, is_causal=True (a chunk after cached tokens: its bottom-right [q, kv] "
+        "causal mask)"
     )
     if not engine_mask:
-        return per_sequence + f", over {GATHERED}"
+        return f"fused kernel, {kernel}: {per_sequence}, over {GATHERED}"
     masked = f"fused kernel, {kernel}: the engine's dense mask, is_causal=False, over {GATHERED}"
     if group.sliding_window is not None or not planned:
         return masked + (" (the mask keeps the window)" if group.sliding_window is not None else "")
-    return masked + f"; in a step where requests also decode, {per_sequence[len(f'fused kernel, {kernel}: ') :]}"
+    return f"{masked}; in a step where requests also decode, {per_sequence}"
 
 
 def decode_account(
