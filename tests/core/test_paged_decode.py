@@ -252,3 +252,32 @@ def test_bfloat16_continuous_batching_gives_generates_tokens_on_the_same_kernel(
             outputs = ours.generate_batch(requests, generation_config=config, continuous_batching_config=engine())
         assert by_request(outputs) == expected, f"{cpu_decode.ENV_VAR}={switch}"
         assert bool(rows) == (switch == "1")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(
+    ("requests", "max_batch_tokens"),
+    [
+        ([[5]], 64),
+        ([[5], [7, 8, 9]], 64),
+        ([list(range(20, 60)), [5], [6]], 16),
+    ],
+    ids=["a one-token prompt alone", "beside a longer prompt in the first step", "in later steps, beside cached ones"],
+)
+def test_one_token_prompts_get_generates_tokens_with_and_without_the_flag(requests, max_batch_tokens, dtype):
+    """A one-token prompt is one query row, as a decode row is; in a step where nothing is cached yet (the engine's
+    read index is empty) it has no page to read, and the engine's own keys serve it. Every request gets its own
+    generate()'s tokens, none is emptied and none carries an error."""
+    ours, _ = build_pair("llama")
+    ours = ours.to(dtype)
+    for flag in (True, False):
+        config = greedy_config(use_flash_attention=flag)
+        expected = [
+            ours.generate(torch.tensor([ids]), generation_config=config)[0, len(ids) :].tolist() for ids in requests
+        ]
+        outputs = ours.generate_batch(
+            requests, generation_config=config, continuous_batching_config=engine(max_batch_tokens)
+        )
+        assert [output.error for output in outputs.values()] == [None] * len(requests), f"use_flash_attention={flag}"
+        assert by_request(outputs) == expected, f"use_flash_attention={flag}"
+        assert all(len(tokens) == NEW_TOKENS for tokens in expected)

@@ -56,8 +56,9 @@ def paged_step_in_place(
 ) -> torch.Tensor | None:
     """The step's attention `[1, H, q, D]` (zeros at queries of no sequence), its keys and values written to the
     cache; or None, with nothing written, where the cache cannot be read in place: a step planned inside a graph (no
-    `bounds`), a layer kind other than full attention, a block-table step, no decode row, or a call the kernel does
-    not take (`paged_decode_applies`). `cache_kwargs`: what the engine passes for the cache (`read_index`, ...)."""
+    `bounds`), a layer kind other than full attention, a block-table step, no decode row, a step with nothing cached
+    (its read index is empty: a one-token prompt is then a "decode row" with no page to read), or a call the kernel
+    does not take (`paged_decode_applies`). `cache_kwargs`: what the engine passes for the cache (`read_index`, ...)."""
     layer_index = module.layer_idx
     allocator = cache.layer_to_allocator[layer_index]
     decoding = [segment for segment in bounds or () if segment.query_end - segment.query_start == 1]
@@ -68,6 +69,8 @@ def paged_step_in_place(
         return None
     reads = cache_kwargs["read_index"]
     slots = reads[allocator.index]
+    if slots.numel() == 0:  # no sequence of the step has cached tokens: the cache hands back the step's own keys
+        return None
     # An empty read index asks the cache to write only: it hands the new keys and values back as they are.
     cache.update(key, value, layer_index, {**cache_kwargs, "read_index": [index[:0] for index in reads]})
     scale = query.shape[-1] ** -0.5 if scale is None else scale
