@@ -181,6 +181,52 @@ def test_a_request_that_cannot_be_served_fails_alone():
     assert [ordered[0].generated_tokens, ordered[3].generated_tokens] == expected
 
 
+POISON = 250  # a token id the stand-in below fails on
+
+
+def failing_on_poison(model, monkeypatch) -> None:
+    """A stand-in for a request that fails inside the engine's step: the forward raises on a step holding POISON."""
+    forward = model.forward
+
+    def forward_or_fail(*args, **kwargs):
+        if (kwargs.get("input_ids") == POISON).any():
+            raise RuntimeError("poisoned step")
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(model, "forward", forward_or_fail)
+
+
+def finished(manager, request_id: str):
+    while (result := manager.get_result(request_id=request_id, timeout=10)) is not None:
+        if result.is_finished():
+            return result
+    raise AssertionError(f"{request_id} never finished")
+
+
+@pytest.mark.parametrize("flag", [True, False])
+def test_a_failed_step_fails_its_requests_and_the_engine_serves_the_next_ones(flag, monkeypatch):
+    """transformers' loop dies on an exception in a step's forward (every later request fails, a server answers 503
+    from then on); the Gaudi manager fails the step's requests, each with the error, and goes on."""
+    ours, _ = models("llama")
+    failing_on_poison(ours, monkeypatch)
+    good = prompts()[:2]
+    expected = one_by_one(ours, good, use_flash_attention=flag)
+    manager = ours.init_continuous_batching(
+        generation_config=greedy_config(use_flash_attention=flag), continuous_batching_config=small_engine()
+    )
+    manager.start()
+    try:
+        first = finished(manager, manager.add_request(good[0], max_new_tokens=NEW_TOKENS))
+        poisoned = finished(manager, manager.add_request([7, POISON, 9], max_new_tokens=NEW_TOKENS))
+        after = finished(manager, manager.add_request(good[1], max_new_tokens=NEW_TOKENS))
+        assert manager.is_running()
+    finally:
+        manager.stop(block=True)
+    assert poisoned.status == RequestStatus.FAILED and poisoned.error == "poisoned step"
+    assert [first.status, after.status] == [RequestStatus.FINISHED] * 2
+    assert [first.generated_tokens, after.generated_tokens] == expected
+
+
 def test_a_bad_generation_option_fails_its_request_alone():
     ours, _ = models("llama")
     with ours.continuous_batching_context_manager(

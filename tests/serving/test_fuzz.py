@@ -1,6 +1,6 @@
 """schemathesis against the served `/openapi.json`: positive and negative requests to every served operation
 (`/v1/responses` and streams included), on the sequential path behind an API key and on the continuous-batching
-path. No answer is a 5xx, every answer conforms to the published schema (status, content type, body), no body the
+path with the flag. No answer is a 5xx, every answer conforms to the published schema (status, content type, body), no body the
 schema accepts is refused as malformed (422), generation is reached on each endpoint, and a good request still
 answers afterwards.
 
@@ -28,6 +28,7 @@ STREAMED = 6
 SEED = 31
 GENERATION = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
 CACHE = {"cb_block_size": 16, "cb_num_blocks": 32, "cb_max_batch_tokens": 64}
+FLAG = {"use_flash_attention": True}
 
 
 # The schema's "json-object" strings (a tool call's arguments, generation_config as text): JSON objects.
@@ -88,7 +89,8 @@ def explore(
 
 @pytest.mark.parametrize("path", ["sequential", "cb"])
 def test_fuzzed_requests_get_no_5xx_and_answers_conform_to_the_schema(path, checkpoint):
-    options = {"api_key": KEY} if path == "sequential" else {"continuous_batching": True, **CACHE}
+    # continuous batching with the flag: its engine steps run the fused path over the paged cache
+    options = {"api_key": KEY} if path == "sequential" else {"continuous_batching": True, "flags": FLAG, **CACHE}
     server = RunningServer(checkpoint, **options)
     headers = {"Authorization": f"Bearer {KEY}"} if path == "sequential" else {}
     try:

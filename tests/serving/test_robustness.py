@@ -10,13 +10,17 @@ import urllib.error
 import urllib.request
 
 import pytest
+from transformers import AutoTokenizer
 
+from optimum.habana.transformers import GaudiLlamaForCausalLM
+from tests.helpers import save_tiny_checkpoint
 from tests.serving.servers import CB_ENDLESS, ENDLESS, LONG_CB_CACHE, TIMEOUT_S, RunningServer
 
 
 CHAT = "/v1/chat/completions"
 HELLO = [{"role": "user", "content": "Hello there"}]
 LENGTH = {"sequential": ENDLESS, "cb": CB_ENDLESS}
+FLASH_CB_CACHE = {"cb_block_size": 16, "cb_num_blocks": 16, "cb_max_batch_tokens": 64}
 
 
 def start(name: str, checkpoint) -> RunningServer:
@@ -133,3 +137,45 @@ def test_a_dead_continuous_batching_worker_is_replaced(servers, monkeypatch):
     status, answer, _ = server.post(CHAT, {"messages": HELLO, "max_tokens": 2})
     assert status == 200 and answer["usage"]["completion_tokens"] == 2
     assert health(server)[0] == 200
+
+
+@pytest.fixture(scope="module")
+def flash_cb_server(tmp_path_factory):
+    checkpoint = save_tiny_checkpoint(tmp_path_factory.mktemp("tiny_llama_flash_cb"))
+    server = RunningServer(checkpoint, flags={"use_flash_attention": True}, continuous_batching=True, **FLASH_CB_CACHE)
+    yield server
+    server.stop()
+
+
+def test_a_one_token_prompt_is_served_with_the_flag_in_continuous_batching(flash_cb_server):
+    """A one-token prompt in the engine's first step (nothing cached) was a 500 that emptied its whole batch."""
+    tokenizer = AutoTokenizer.from_pretrained(flash_cb_server.model_id)
+    assert len(tokenizer("0")["input_ids"]) == 1
+    for _ in range(2):  # the engine's first step, then a step of a running engine
+        status, answer, _ = flash_cb_server.post("/v1/completions", {"prompt": "0", "max_tokens": 3})
+        assert status == 200 and answer["usage"] == {"prompt_tokens": 1, "completion_tokens": 3, "total_tokens": 4}
+
+
+def test_an_engine_step_that_fails_fails_its_request_and_the_next_ones_are_served(flash_cb_server, monkeypatch):
+    """transformers' engine died on any exception in a step (every later request a 503 until a new worker started);
+    a stand-in failure in the forward fails its request only, and the engine goes on."""
+    forward = GaudiLlamaForCausalLM.forward
+    armed = threading.Event()
+
+    def fails_once(self, *args, **kwargs):
+        if armed.is_set():
+            armed.clear()
+            raise RuntimeError("a failure inside the engine's step")
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(GaudiLlamaForCausalLM, "forward", fails_once)
+    assert flash_cb_server.post(CHAT, {"messages": HELLO, "max_tokens": 2})[0] == 200
+    worker = flash_cb_server.serve._generation_state._cb_manager._cb
+    armed.set()
+    status, answer, _ = flash_cb_server.post(CHAT, {"messages": HELLO, "max_tokens": 2})
+    assert status == 500 and "a failure inside the engine's step" in answer["error"]["message"], answer
+    for _ in range(2):
+        status, answer, _ = flash_cb_server.post(CHAT, {"messages": HELLO, "max_tokens": 2})
+        assert status == 200 and answer["usage"]["completion_tokens"] == 2, answer
+    assert health(flash_cb_server)[0] == 200
+    assert flash_cb_server.serve._generation_state._cb_manager._cb is worker  # the same engine, never restarted

@@ -110,8 +110,21 @@ INTERRUPTED = (
 )
 
 
+class StepFailed(Exception):
+    """An engine step's forward raised: its requests fail, the engine goes on (`_generation_loop_body`)."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
 class GaudiContinuousBatchingManager(ContinuousBatchingManager):
-    """transformers' manager, presenting a Gaudi model to its engine and checking each request before it queues."""
+    """transformers' manager, presenting a Gaudi model to its engine and checking each request before it queues.
+
+    transformers' loop treats an exception in a step's forward as fatal: every request, running or queued, fails,
+    the loop ends, and a server built on it answers 503 from then on. Here a failed step fails the requests it
+    carried (each with the error in its result, its tokens so far kept) and the loop goes on to the next step.
+    """
 
     def switch_to_cb_friendly_attn(self, model: Any, auto_switch_to_flash: bool = True) -> None:
         chosen, presented = model.config._attn_implementation, engine_attention(model)
@@ -168,6 +181,30 @@ class GaudiContinuousBatchingManager(ContinuousBatchingManager):
             thread.join(timeout)
             hard_stop = thread.is_alive()
         super().stop(block=block, timeout=None if hard_stop else timeout, hard_stop=hard_stop, **kwargs)
+
+    def _generation_step(self) -> None:
+        try:
+            super()._generation_step()
+        except Exception as error:
+            raise StepFailed(error) from error
+
+    def _generation_loop_body(self, batch_processor: Any, bootstrapping: bool) -> bool:
+        try:
+            return super()._generation_loop_body(batch_processor, bootstrapping)
+        except StepFailed as failed:
+            if batch_processor.use_async_batching:  # a step in flight beside it: transformers' own handling
+                raise failed.error from failed
+            request_ids = [state.state.request_id for state in batch_processor.inputs_and_outputs.requests_in_batch]
+            logger.error(
+                "Requests %s failed in an engine step (%s: %s); the engine goes on with the others.",
+                ", ".join(request_ids),
+                type(failed.error).__name__,
+                failed.error,
+                exc_info=failed.error,
+            )
+            batch_processor.handle_batch_error(failed.error)
+            batch_processor.scheduler.block_new_requests = False
+            return True
 
     def _fail_all_remaining_requests(self, error: Exception, batch_processor: Any) -> None:
         """The requests a hard stop leaves fail with what happened, not the loop's internal status."""
@@ -287,6 +324,7 @@ __all__ = [
     "GaudiContinuousBatchingManager",
     "RequestInterrupted",
     "RequestRefused",
+    "StepFailed",
     "blocks_needed",
     "check_engine_serves",
     "engine_attention",
