@@ -16,7 +16,7 @@ import math
 
 import torch
 from transformers import PreTrainedConfig
-from transformers.cache_utils import STATIC_LAYER_TYPE_MAPPING, Cache, StaticLayer, get_layer_types_and_kwargs
+from transformers.cache_utils import StaticCache, StaticLayer
 from transformers.utils import is_torchdynamo_compiling
 
 
@@ -68,10 +68,14 @@ class BucketedStaticLayer(StaticLayer):
             self._replace_storage(self.keys, self.values)
 
 
-class BucketedStaticCache(Cache):
+class BucketedStaticCache(StaticCache):
     """Static KV cache attended in buckets of `bucket_size` tokens; see the module docstring.
 
-    Reusable across `generate()` calls (Optimum-Habana's `--reuse_cache`): `reset()` empties it and keeps the storage.
+    A `StaticCache` as transformers builds it (the same layer kinds, each full-attention layer's storage the whole
+    `max_cache_len`), its full-attention layers attended over their filled buckets only. Attention weights
+    (`output_attentions`) therefore have the bucketed length as their last dimension, not the cache's: generate()
+    builds one only where no weights are asked for. Reusable across `generate()` calls (Optimum-Habana's
+    `--reuse_cache`): `reset()` empties it and keeps the storage.
     """
 
     def __init__(
@@ -79,14 +83,11 @@ class BucketedStaticCache(Cache):
     ) -> None:
         if bucket_size < 1:
             raise ValueError(f"bucket_size must be at least 1, got {bucket_size}.")
-        layer_types, per_layer_kwargs = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
-        layers = []
-        for layer_type, layer_kwargs in zip(layer_types, per_layer_kwargs, strict=True):
-            if layer_type == "full_attention":
-                layers.append(BucketedStaticLayer(max_cache_len, bucket_size, preallocate))
-            else:
-                layers.append(STATIC_LAYER_TYPE_MAPPING[layer_type](max_cache_len=max_cache_len, **layer_kwargs))
-        super().__init__(layers=layers)
+        super().__init__(config=config, max_cache_len=max_cache_len)
+        self.layers = [
+            BucketedStaticLayer(max_cache_len, bucket_size, preallocate) if type(layer) is StaticLayer else layer
+            for layer in self.layers
+        ]
         self.bucket_size = bucket_size
         self.max_cache_len = max_cache_len
         self.tokens = 0  # held after the current forward; a Python int, so that compiled code never reads a tensor

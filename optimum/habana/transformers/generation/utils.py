@@ -53,25 +53,28 @@ class GaudiGenerationMixin:
 
         - a `DynamicCache` becomes a `GrowingCache`: appended in place (no copy of the whole cache per token), its
           storage never longer than the `max_cache_length` tokens it will hold;
-        - a `StaticCache` becomes a `BucketedStaticCache` of the same length, attended over its filled slots:
-          exactly when the step runs eagerly, in buckets of `STATIC_SHAPES_BUCKET` tokens when generate() compiles
-          it (one graph per bucket);
+        - a `StaticCache` becomes a `BucketedStaticCache` (a `StaticCache` of the same layers and length) attended
+          over its filled slots: exactly when the step runs eagerly, in buckets of `STATIC_SHAPES_BUCKET` tokens
+          when generate() compiles it (one graph per bucket);
         - on Gaudi, where shapes must stay static (lazy mode, HPU graphs), the default cache is that bucketed one.
-        A cache the caller passed, an offloaded one, or a chunked prefill's is left as it is.
+        A cache the caller passed, an offloaded one, a chunked prefill's, or one that would become bucketed in a
+        generation that returns attention weights (their last dimension is the cache's length, which buckets
+        change) is left as it is.
         """
         super()._prepare_cache_for_generation(
             generation_config, model_kwargs, generation_mode, batch_size, max_cache_length
         )
         stock = model_kwargs.get("past_key_values")
+        static_shapes = needs_static_shapes(next(self.parameters()))
         if (
             type(stock) not in (DynamicCache, StaticCache)
             or getattr(stock, "_is_user_defined", False)
             or stock.offloading
             or generation_config.prefill_chunk_size is not None
+            or (generation_config.output_attentions and (type(stock) is StaticCache or static_shapes))
         ):
             return
         config = self.config.get_text_config(decoder=True)
-        static_shapes = needs_static_shapes(next(self.parameters()))
         if type(stock) is DynamicCache and not static_shapes:
             cache = GrowingCache(config, max_cache_length)
         else:
