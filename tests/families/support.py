@@ -8,14 +8,16 @@ from pathlib import Path
 import pytest
 import torch
 from transformers import AttentionInterface, PreTrainedModel
+from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from optimum.habana import gaudi_model_class
 from optimum.habana.transformers.models import family_report
-from tests.families.tiny_configs import tiny_family_config
+from tests.families.tiny_configs import tiny_family_config, with_attention_that_matters
 
 
 NEW_TOKENS = 3
 LENGTHS = [12, 5, 9]  # a left-padded batch, longer than the tiny windows and chunks (8 tokens)
+LOGITS_TOLERANCE = 1e-4  # at every step, as at the prompt's real positions: fp32 against stock eager
 
 
 def family_pair(model_type: str, **overrides) -> tuple[PreTrainedModel, PreTrainedModel]:
@@ -25,6 +27,7 @@ def family_pair(model_type: str, **overrides) -> tuple[PreTrainedModel, PreTrain
     config_class = gaudi_class.config_class
     torch.manual_seed(0)
     ours = gaudi_class(tiny_family_config(model_type, config_class, initializer_range=0.1, **overrides)).eval()
+    with_attention_that_matters(ours, model_type)
     eager = tiny_family_config(
         model_type, config_class, initializer_range=0.1, attn_implementation="eager", **overrides
     )
@@ -39,10 +42,29 @@ def attention_modules(model: torch.nn.Module, model_type: str) -> list[torch.nn.
     return [module for module in model.modules() if type(module).__name__ in names]
 
 
-def greedy(model, inputs, **kwargs) -> torch.Tensor:
+def greedy(model, inputs, **kwargs) -> GenerateDecoderOnlyOutput:
+    """The tokens and every step's logits: the prompt's last position, then each decode step's, where the decode
+    kernels run."""
     return model.generate(
-        **inputs, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0, **kwargs
+        **inputs,
+        max_new_tokens=NEW_TOKENS,
+        min_new_tokens=NEW_TOKENS,
+        do_sample=False,
+        pad_token_id=0,
+        return_dict_in_generate=True,
+        output_logits=True,
+        **kwargs,
     )
+
+
+def assert_same_steps(found: GenerateDecoderOnlyOutput, expected: GenerateDecoderOnlyOutput) -> None:
+    """The same tokens, and at every step logits within LOGITS_TOLERANCE of the expected ones: a wrong decode step
+    can leave three greedy tokens unchanged."""
+    assert torch.equal(found.sequences, expected.sequences)
+    assert len(found.logits) == len(expected.logits) == NEW_TOKENS
+    for step, (logits, reference) in enumerate(zip(found.logits, expected.logits, strict=True)):
+        difference = (logits - reference).abs().max().item()
+        assert difference <= LOGITS_TOLERANCE, f"step {step}: logits {difference:.2e} from the reference's"
 
 
 @contextmanager

@@ -20,7 +20,7 @@ from optimum.habana.transformers.batch_layout import can_run_packed, local_layer
 from optimum.habana.transformers.continuous_batching import check_engine_serves
 from optimum.habana.transformers.families.qualification import SINKS, SOFTCAP
 from optimum.habana.transformers.models import family_table
-from tests.families.support import LENGTHS, NEW_TOKENS, family_pair, greedy
+from tests.families.support import LENGTHS, NEW_TOKENS, assert_same_steps, family_pair, greedy
 from tests.families.tiny_configs import without_dropout
 from tests.helpers import count_context_cuts, count_decode_kernel_calls, left_padded_batch
 
@@ -87,8 +87,8 @@ def test_static_cache_generate_gives_stock_tokens(model_type):
         with pytest.raises(type(stock_error)):
             greedy(ours, inputs, cache_implementation="static", use_flash_attention=True)
         return
-    assert torch.equal(greedy(ours, inputs, cache_implementation="static", use_flash_attention=True), reference)
-    assert torch.equal(greedy(ours, inputs, cache_implementation="static"), reference)
+    assert_same_steps(greedy(ours, inputs, cache_implementation="static", use_flash_attention=True), reference)
+    assert_same_steps(greedy(ours, inputs, cache_implementation="static"), reference)
 
 
 @pytest.mark.parametrize("model_type", FAMILY_TYPES)
@@ -103,7 +103,7 @@ def test_one_sequence_decode_cut_for_idle_threads_gives_stock_tokens(model_type,
     ours, stock = family_pair(model_type)
     inputs = left_padded_batch([14])
     reference = greedy(stock, inputs)
-    assert torch.equal(greedy(ours, inputs, use_flash_attention=True), reference)
+    assert_same_steps(greedy(ours, inputs, use_flash_attention=True), reference)
     # Each call with equal query, key and value head sizes on the fused path is cut; a latent-attention decode step
     # (value heads of another size) goes whole, and soft-capped logits take the default path.
     may_go_whole = {"soft-capped logits", "latent attention (value head size differs from the query's)"}
@@ -119,7 +119,7 @@ def test_decode_steps_on_the_cpu_decode_kernel_give_stock_tokens(model_type, mon
     ours, stock = family_pair(model_type)
     inputs = left_padded_batch(LENGTHS)
     reference = greedy(stock, inputs)
-    assert torch.equal(greedy(ours, inputs, use_flash_attention=True), reference)
+    assert_same_steps(greedy(ours, inputs, use_flash_attention=True), reference)
     may_go_whole = {"soft-capped logits", "latent attention (value head size differs from the query's)"}
     assert calls or may_go_whole & set(family_table()[model_type].variants)
 
@@ -142,11 +142,11 @@ ENGINE_FAILS = {
     ],
 )
 def test_continuous_batching_reads_the_paged_cache_in_place_and_gives_generates_tokens(model_type, monkeypatch):
-    """Every family transformers' engine serves: with the flag, each request's greedy fp32 tokens are its own
-    generate()'s, and its full-attention layers' decode rows read the paged cache in place (`paged_attention.py`) where
+    """Every family transformers' engine serves: with the flag, each request's greedy fp32 tokens are the stock
+    class's generate()'s (eager attention), and its full-attention layers' decode rows read the paged cache in place (`paged_attention.py`) where
     only the attention reads the masks and no sink or soft cap takes them elsewhere. A family it cannot serve is refused before any
     request, with its reason, or fails each request with that reason in one line."""
-    ours, _ = family_pair(model_type)
+    ours, stock = family_pair(model_type)
     calls = family_table()[model_type].calls_per_attention
     if calls > 1:  # each call would write the cache: refused
         with pytest.raises(ValueError, match=f"calls the attention function {calls} times per layer"):
@@ -160,8 +160,9 @@ def test_continuous_batching_reads_the_paged_cache_in_place_and_gives_generates_
     config = GenerationConfig(
         max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=-1, pad_token_id=0, use_flash_attention=True
     )
+    stock_config = GenerationConfig(max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=-1, pad_token_id=0)
     expected = [
-        ours.generate(torch.tensor([ids]), generation_config=config)[0, len(ids) :].tolist() for ids in requests
+        stock.generate(torch.tensor([ids]), generation_config=stock_config)[0, len(ids) :].tolist() for ids in requests
     ]
     in_place = []
     attend = paged_attention.paged_decode_sdpa

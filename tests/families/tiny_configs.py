@@ -9,6 +9,7 @@ import dataclasses
 import inspect
 import warnings
 
+import torch
 from transformers import CONFIG_MAPPING, PreTrainedConfig
 
 from optimum.habana.transformers.families.qualification import default_config
@@ -123,6 +124,22 @@ OVERRIDES: dict[str, dict] = {
     "zamba": {"num_hidden_layers": 5},
 }
 MAX_LAYERS = 8
+
+
+# Attention parameters a family's init leaves at a value that makes every score equal (uniform attention, which no
+# error of scale or of the scores' kernel can change): set as a trained checkpoint's would be, so that the family tests
+# can see the attention. ZAYA multiplies its keys by a per-head temperature that starts at 0.
+ATTENTION_THAT_MATTERS = {"zaya": {"qk_norm.temp": 1.0}}
+
+
+def with_attention_that_matters(model: torch.nn.Module, model_type: str) -> torch.nn.Module:
+    """The model with the parameters of `ATTENTION_THAT_MATTERS` set (in place)."""
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            for suffix, value in ATTENTION_THAT_MATTERS.get(model_type, {}).items():
+                if name.endswith(suffix):
+                    parameter.fill_(value)
+    return model
 
 
 def without_dropout(config_class: type) -> dict[str, float]:
