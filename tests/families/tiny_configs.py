@@ -68,6 +68,12 @@ SIZES = {
     "index_n_heads": 2,
     "index_head_dim": 16,
     "index_topk": 6,
+    # Qwen4-Exp's QSA indexer: a budget of 6 keys, selected in blocks of 2
+    "indexer_n_heads": 2,
+    "indexer_kv_heads": 1,
+    "indexer_head_dim": 16,
+    "indexer_budget": 6,
+    "indexer_compress_ratio": 2,
     # per-layer inputs (Gemma 3n/4)
     "hidden_size_per_layer_input": 16,
 }

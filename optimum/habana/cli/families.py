@@ -7,13 +7,15 @@ first run reads every family's code (seconds), later runs read the cache (`model
 import sys
 from dataclasses import dataclass, field
 
+import transformers
 from transformers import HfArgumentParser
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from optimum.habana.transformers.families.qualification import FUSED_PATHS, FamilyReport
 from optimum.habana.transformers.models import family_table, gaudi_model_class, supported_model_types
 
 
-COLUMNS = ("model type", "class", "attention variant", "fused path")
+COLUMNS = ("model type", "class", "attention variant", "fused path", "transformers' `_supports_attention_backend`")
 
 
 @dataclass
@@ -26,16 +28,28 @@ class FamilyTableArguments:
     )
 
 
-def row(report: FamilyReport) -> tuple[str, str, str, str]:
+def marked_by_transformers(model_type: str) -> str:
+    """transformers' own mark on the stock causal LM (`_supports_attention_backend`): a hint that its attention looks
+    its function up in the interface, which the library's verdict proves or refutes (docs/families.md)."""
+    name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
+    stock = getattr(transformers, name, None) if isinstance(name, str) else None
+    if stock is None:
+        return ""
+    return "yes" if getattr(stock, "_supports_attention_backend", False) else "no"
+
+
+def row(report: FamilyReport) -> tuple[str, str, str, str, str]:
+    marked = marked_by_transformers(report.model_type)
     if not report.qualifies:
         return (
             report.model_type,
             f"`{report.class_name}` (stock)" if report.class_name else "",
             "",
             report.fused_path,
+            marked,
         )
     gaudi_class = gaudi_model_class(report.model_type).__name__
-    return (report.model_type, f"`{gaudi_class}`", "; ".join(report.variants), report.fused_path)
+    return (report.model_type, f"`{gaudi_class}`", "; ".join(report.variants), report.fused_path, marked)
 
 
 def markdown_table(reports: list[FamilyReport]) -> str:

@@ -41,6 +41,7 @@ from transformers.generation.continuous_batching.requests import RequestState
 
 from .attention_flags import attention_flags_of
 from .batch_layout import padding_mask_is_all_it_needs
+from .families.cache_facts import computes_with_cached_states, writes_cache_at_own_index
 from .families.qualification import LATENT, family_report
 
 
@@ -282,15 +283,35 @@ def check_engine_serves(model: Any) -> None:
             "values each time, and every call writes them into the engine's paged cache (stock transformers gives "
             "wrong tokens there)"
         )
+    elif computed := sorted(
+        {name for module in attention_modules(model, report) for name in computes_with_cached_states(type(module))}
+    ):
+        problem = (
+            f"its attention computes with the cached {' and '.join(computed)} outside the attention function (a "
+            "repeat of the key/value heads, a mask made from the values), and in the engine the attention function "
+            "alone holds the paged cache (stock transformers fails every request there)"
+        )
     elif other := sorted(set(getattr(config, "layer_types", None) or ()) - {"full_attention", "sliding_attention"}):
         problem = f"its layers of kind {', '.join(other)} have no paged cache (only full and sliding-window attention)"
     elif getattr(config, "is_heterogeneous", False):
         problem = "its head counts and sizes vary per layer, and the paged cache holds one geometry"
+    elif not all(writes_cache_at_own_index(type(module)) for module in attention_modules(model, report)):
+        problem = (
+            "its attention writes the cache at layers offset from its own index (a recurrent stack run several "
+            "times per forward), which the engine's paged cache does not follow (stock transformers gives wrong "
+            "tokens there)"
+        )
     else:
         return
     raise ValueError(
         f"{name} cannot run in transformers' continuous batching: {problem}. Use generate() for this model."
     )
+
+
+def attention_modules(model: Any, report: Any) -> list[Any]:
+    """The model's modules of the family's attention classes."""
+    names = set(report.attention_classes)
+    return [module for module in model.modules() if type(module).__name__ in names]
 
 
 def init_manager(

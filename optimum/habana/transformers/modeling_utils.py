@@ -42,6 +42,7 @@ from .cache import BucketedStaticCache
 from .continuous_batching import ChosenAttnImplementation, engine_flags, init_manager
 from .decoder_inputs import prepare_decoder_call
 from .families.qualification import family_runs_mask_free
+from .families.source_facts import decoder_path
 from .generation import GaudiGenerationConfig, GaudiGenerationMixin
 
 
@@ -88,7 +89,10 @@ class GaudiAttentionMixin(GaudiGenerationMixin):
         for module in self.modules():
             if not isinstance(module, PreTrainedModel) and getattr(module, "config", None) is self.config:
                 module.config = view
-        decoder = self.base_model
+        # The decoder the causal LM's forward calls, which is not always its base model (OPT calls the base model's
+        # own decoder): the hook must run where the keyword arguments enter the layers' path.
+        path = decoder_path(_stock_class(type(self)))
+        decoder = functools.reduce(getattr, path, self) if path else self.base_model
         decoder.register_forward_pre_hook(functools.partial(prepare_decoder_call, view), with_kwargs=True)
         self._apply_attn_implementation_default()
 

@@ -30,12 +30,12 @@ import transformers
 from transformers import CONFIG_MAPPING
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_FOR_MASKED_LM_MAPPING_NAMES
 
+from .branches import forwards_kwargs_to
 from .source_facts import (
     MASK_BUILDERS,
     builds_masks_with_transformers,
     call_keywords,
     computes_attention_itself,
-    forwards_kwargs_to,
     init_names,
     interface_calls,
     interface_lookup_names_of,
@@ -273,7 +273,8 @@ def _keyword_path_reason(stock: type, edges: dict[type, list[tuple[str, type]]],
                     f"{parent.__name__} has cross-attention (self.{attribute} attends to another model's states), "
                     "which the Gaudi attention does not serve"
                 )
-            passes = forwards_kwargs_to(parent, attribute)
+            reaching = frozenset(child for name, child in children if name == attribute and child in holds_attention)
+            passes = forwards_kwargs_to(parent, attribute, reaching)
             if passes is False:
                 return (
                     f"{parent.__name__}.forward calls self.{attribute} without the call's keyword arguments, so the "

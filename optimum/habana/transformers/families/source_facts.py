@@ -129,16 +129,30 @@ def submodules(cls: type) -> dict[str, set[type]]:
         sources = _local_sources(function)
         optional = {id(node) for gate in _cross_attention_gates(function) for node in ast.walk(gate)}
         for node in ast.walk(function):
-            targets = node.targets if isinstance(node, ast.Assign) and id(node) not in optional else []
-            for target in targets:
+            if id(node) in optional:
+                continue
+            targets = [(target, node.value) for target in node.targets] if isinstance(node, ast.Assign) else []
+            if _appends_to_attribute(node):  # self.layers.append(Layer(...)) into an nn.ModuleList
+                targets = [(node.func.value, argument) for argument in node.args]
+            for target, value in targets:
                 if not (isinstance(target, ast.Attribute) and _is_self(target.value)):
                     continue
                 classes = set()
-                for name in _closure(_source_names(node.value), sources):
+                for name in _closure(_source_names(value), sources):
                     classes |= _module_classes(_resolve(owner, name))
                 if classes:
                     found.setdefault(target.attr, set()).update(classes)
     return found
+
+
+def _appends_to_attribute(node: ast.AST) -> bool:
+    return (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr in ("append", "extend", "insert")
+        and isinstance(node.func.value, ast.Attribute)
+        and _is_self(node.func.value.value)
+    )
 
 
 def _cross_attention_gates(function: ast.FunctionDef) -> list[ast.If]:
@@ -255,7 +269,7 @@ def calls_of(function: ast.FunctionDef, attribute: str) -> list[ast.Call]:
     for node in ast.walk(function):
         if isinstance(node, ast.For | ast.comprehension) and _reads_attribute(node.iter, attribute):
             bound |= {name.id for name in ast.walk(node.target) if isinstance(name, ast.Name)}
-        elif isinstance(node, ast.Assign) and _reads_attribute(node.value, attribute):
+        elif isinstance(node, ast.Assign) and _binds_module(node.value, attribute):
             bound |= {name.id for target in node.targets for name in ast.walk(target) if isinstance(name, ast.Name)}
     calls = []
     for node in ast.walk(function):
@@ -277,6 +291,12 @@ def calls_of(function: ast.FunctionDef, attribute: str) -> list[ast.Call]:
     return calls
 
 
+def _binds_module(value: ast.AST, attribute: str) -> bool:
+    """Whether `name = value` binds the submodule `self.<attribute>` itself (`layer = self.layers[i]`), not the
+    result of calling it (`output, _ = self.self_attn(...)`, whose later method calls are no calls of the module)."""
+    return not isinstance(value, ast.Call) and _reads_attribute(value, attribute)
+
+
 def _reads_attribute(node: ast.AST, attribute: str) -> bool:
     return any(
         isinstance(child, ast.Attribute) and child.attr == attribute and _is_self(child.value)
@@ -294,22 +314,31 @@ def call_keywords(cls: type, attribute: str) -> set[str]:
 
 
 @functools.cache
-def forwards_kwargs_to(cls: type, attribute: str) -> bool | None:
-    """Whether every call of `self.<attribute>` in `cls`'s forward passes `**kwargs` on; None when the forward calls
-    it nowhere this reading can see."""
+def decoder_path(cls: type) -> tuple[str, ...]:
+    """The attribute path from the causal LM to the decoder its forward calls: `("model",)` for most families,
+    `("model", "decoder")` where it calls `self.model.decoder(...)` (OPT), past the base model's own forward; empty
+    where no call starts at the base model's prefix (the base model is then the decoder)."""
+    prefix = cls.base_model_prefix
     located = method(cls, "forward")
     if located is None:
-        return None
-    calls = calls_of(located[1], attribute)
-    if not calls:
-        return None
-    return all(any(keyword.arg is None for keyword in call.keywords) for call in calls)
+        return ()
+    for node in ast.walk(located[1]):
+        if not isinstance(node, ast.Call):
+            continue
+        path, target = [], node.func
+        while isinstance(target, ast.Attribute):
+            path.insert(0, target.attr)
+            target = target.value
+        if _is_self(target) and path and path[0] == prefix:
+            return tuple(path)
+    return ()
 
 
 @functools.cache
 def mask_uses(cls: type, allowed_calls: frozenset[str]) -> tuple[str, ...]:
     """The uses of `attention_mask` in `cls`'s forward other than handing it to one of `allowed_calls` (callee names:
-    `create_causal_mask`, `attention_interface`, `self.self_attn`), a dict of such arguments, or testing it for None;
+    `create_causal_mask`, `attention_interface`, `self.self_attn`), a dict of arguments one of them receives, or
+    testing it for None;
     each as source text. A placeholder mask would change what such a use computes."""
     located = method(cls, "forward")
     if located is None:
@@ -323,14 +352,20 @@ def mask_uses(cls: type, allowed_calls: frozenset[str]) -> tuple[str, ...]:
     }
     allowed_calls = set(allowed_calls) | aliases
     handed_on: set[int] = set()
+    passed_names: set[str] = set()  # local names read in the arguments of those calls (`**mask_kwargs`)
     for node in ast.walk(function):
         if isinstance(node, ast.Call) and _callee(node) in allowed_calls | {"isinstance"}:
             for argument in list(node.args) + [keyword.value for keyword in node.keywords]:
                 handed_on |= {id(child) for child in ast.walk(argument)}
-        elif isinstance(node, ast.Dict):
-            handed_on |= {id(child) for value in node.values if value is not None for child in ast.walk(value)}
+                passed_names |= {child.id for child in ast.walk(argument) if isinstance(child, ast.Name)}
         elif isinstance(node, ast.Compare) and all(isinstance(op, ast.Is | ast.IsNot) for op in node.ops):
             handed_on |= {id(node.left)}
+    # A dict of arguments counts as handed on where it reaches one of those calls: bound to a name they read
+    # (`mask_kwargs = {...}; create_causal_mask(**mask_kwargs)`), not one given to any other function.
+    for node in ast.walk(function):
+        bound = isinstance(node, ast.Assign) and isinstance(node.value, ast.Dict)
+        if bound and any(isinstance(target, ast.Name) and target.id in passed_names for target in node.targets):
+            handed_on |= {id(child) for child in ast.walk(node.value)}
     return tuple(
         ast.unparse(node)
         for node in ast.walk(function)
@@ -388,7 +423,7 @@ __all__ = [
     "class_node",
     "computes_attention_itself",
     "forward_parameters",
-    "forwards_kwargs_to",
+    "decoder_path",
     "init_names",
     "interface_calls",
     "interface_lookup_names_of",

@@ -1,0 +1,174 @@
+"""The reading of a family's code that qualification rests on (`families/source_facts.py`, `branches.py`), on small
+classes written here: what reaches the attention call decides, not every call of the same attribute, and a dict of
+mask arguments counts as handed on only where a mask builder or the attention receives it."""
+
+import pytest
+from torch import nn
+
+from optimum.habana.transformers.continuous_batching import check_engine_serves
+from optimum.habana.transformers.families.branches import forwards_kwargs_to
+from optimum.habana.transformers.families.cache_facts import computes_with_cached_states, writes_cache_at_own_index
+from optimum.habana.transformers.families.qualification import family_report
+from optimum.habana.transformers.families.source_facts import MASK_BUILDERS, decoder_path, mask_uses
+
+
+def create_causal_mask(**kwargs):
+    return None
+
+
+def create_recurrent_attention_mask(arguments):
+    return None
+
+
+class Attention(nn.Module):
+    def forward(self, hidden_states, **kwargs):
+        return hidden_states, None
+
+
+class MLP(nn.Module):
+    def forward(self, hidden_states):
+        return hidden_states
+
+
+MIXERS = {"attention": Attention, "mlp": MLP}
+
+
+class LayerUsingItsOutput(nn.Module):
+    """`output, _ = self.self_attn(...)`: later method calls of `output` are no calls of the attention."""
+
+    def __init__(self):
+        super().__init__()
+        self.self_attn = Attention()
+
+    def forward(self, hidden_states, **kwargs):
+        output, _ = self.self_attn(hidden_states.float(), **kwargs)
+        return output.unsqueeze(-2).squeeze(-2)
+
+
+class LayerCallingAttentionBare(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.self_attn = Attention()
+
+    def forward(self, hidden_states, **kwargs):
+        output, _ = self.self_attn(hidden_states)
+        return output
+
+
+class Block(nn.Module):
+    """A hybrid block: one attribute built by its kind, the attention's branch with the keywords, the MLP's without."""
+
+    def __init__(self, kind):
+        super().__init__()
+        self.kind = kind
+        self.mixer = MIXERS[self.kind]()
+
+    def forward(self, hidden_states, **kwargs):
+        if self.kind == "attention":
+            hidden_states, _ = self.mixer(hidden_states, **kwargs)
+        else:
+            hidden_states = self.mixer(hidden_states)
+        return hidden_states
+
+
+class BlockCallingAttentionBare(Block):
+    def forward(self, hidden_states, **kwargs):
+        if self.kind != "mlp":
+            hidden_states, _ = self.mixer(hidden_states)
+        else:
+            hidden_states = self.mixer(hidden_states, **kwargs)
+        return hidden_states
+
+
+def test_a_call_result_bound_to_a_name_is_not_the_module():
+    assert forwards_kwargs_to(LayerUsingItsOutput, "self_attn") is True
+    assert forwards_kwargs_to(LayerCallingAttentionBare, "self_attn") is False
+
+
+def test_only_the_branches_that_reach_the_attention_decide():
+    assert forwards_kwargs_to(Block, "mixer", frozenset({Attention})) is True
+    assert forwards_kwargs_to(Block, "mixer", frozenset({MLP})) is False
+    assert forwards_kwargs_to(Block, "mixer") is False  # any class: every call counts
+    assert forwards_kwargs_to(BlockCallingAttentionBare, "mixer", frozenset({Attention})) is False
+
+
+class MaskThroughBuilder(nn.Module):
+    def forward(self, attention_mask=None):
+        mask_kwargs = {"attention_mask": attention_mask, "cache": None}
+        return create_causal_mask(**mask_kwargs)
+
+
+class MaskThroughOtherFunction(nn.Module):
+    def forward(self, attention_mask=None):
+        return create_recurrent_attention_mask({"attention_mask": attention_mask})
+
+
+class MaskDictGivenElsewhere(nn.Module):
+    def forward(self, attention_mask=None):
+        arguments = {"attention_mask": attention_mask}
+        create_causal_mask(config=None)
+        return create_recurrent_attention_mask(arguments)
+
+
+def test_a_dict_of_mask_arguments_is_handed_on_only_where_a_mask_builder_receives_it():
+    assert mask_uses(MaskThroughBuilder, MASK_BUILDERS) == ()
+    assert mask_uses(MaskThroughOtherFunction, MASK_BUILDERS) == ("attention_mask",)
+    assert mask_uses(MaskDictGivenElsewhere, MASK_BUILDERS) == ("attention_mask",)
+
+
+ALL_ATTENTION_FUNCTIONS = {}
+shared = {}
+
+
+class CachedAttention(nn.Module):
+    def forward(self, key_states, value_states, past_key_values=None, cycle_offset=0):
+        return past_key_values.update(key_states, value_states, self.layer_idx)
+
+
+class RecurrentAttention(nn.Module):
+    def forward(self, key_states, value_states, past_key_values=None, cycle_offset=0):
+        return past_key_values.update(key_states, value_states, self.layer_idx + cycle_offset)
+
+
+class RepeatingAttention(nn.Module):
+    def forward(self, key_states, value_states, past_key_values=None):
+        key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx)
+        shared[0] = key_states, value_states  # stored as they are: not computed with
+        key_states = key_states.repeat(1, 2, 1, 1)
+        attention_interface = ALL_ATTENTION_FUNCTIONS["sdpa"]
+        return attention_interface(self, key_states, value_states, key_states.shape[2])
+
+
+def test_a_cache_written_at_an_offset_from_the_modules_index_is_seen():
+    assert writes_cache_at_own_index(CachedAttention)
+    assert not writes_cache_at_own_index(RecurrentAttention)
+
+
+def test_keys_or_values_computed_with_after_the_cache_update_are_seen():
+    assert computes_with_cached_states(RepeatingAttention) == ("key_states",)
+    assert computes_with_cached_states(CachedAttention) == ()
+
+
+@pytest.mark.parametrize("model_type", ["jetmoe", "doge", "hrm_text"])
+def test_families_the_engine_cannot_serve_are_refused_before_any_request(model_type):
+    from tests.families.support import family_pair
+
+    ours, _ = family_pair(model_type)
+    with pytest.raises(ValueError, match="cannot run in transformers' continuous batching: its attention"):
+        check_engine_serves(ours)
+
+
+@pytest.mark.parametrize(("model_type", "path"), [("llama", ("model",)), ("opt", ("model", "decoder"))])
+def test_the_decoder_is_the_module_the_causal_lm_calls(model_type, path):
+    from optimum.habana import gaudi_model_class
+
+    stock = next(cls for cls in gaudi_model_class(model_type).__mro__ if cls.__module__.startswith("transformers."))
+    assert decoder_path(stock) == path
+
+
+@pytest.mark.parametrize("model_type", ["deepseek_v4", "nemotron_h", "inkling2_text", "opt"])
+def test_families_refused_by_the_old_reading_qualify(model_type):
+    """Refused as "calls the attention without the call's keyword arguments" by a reading that counted method calls
+    on an attention call's result (and an MLP branch's call) as calls of the attention."""
+    report = family_report(model_type)
+    assert report.qualifies, report.reason
