@@ -59,7 +59,7 @@ def test_the_pytorch_kernel_and_whole_context_rows_are_the_flag_without_the_kern
     assert measured[1][header.index("vs stock")] != "-" and measured[2][header.index("vs stock")] != "-"
     # Each row: 2 steps at the context, 2 at 64 tokens, 2 for the memory column, one layer each.
     assert cuts == {2: 6}
-    if cpu_decode._environment_problem() is None:
+    if cpu_decode.environment_problem() is None:
         assert kernel_calls == {3: 6}  # the query group of 3 as rows
 
 
@@ -84,7 +84,7 @@ def test_the_continuous_batching_rows_serve_the_same_prompts_through_the_engine(
     assert all(row[-1] == "same" for row in measured.values())
     assert measured[paged_decode.IN_PLACE][header.index("vs stock")] != "-"
     assert measured[paged_decode.STOCK][header.index("cache held / needed [MiB]")] == "-"
-    if cpu_decode._environment_problem() is None:
+    if cpu_decode.environment_problem() is None:
         assert len(in_place) == 2 * 3  # the in-place row's decode steps, one layer; none on the gather's row
 
 

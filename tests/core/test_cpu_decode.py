@@ -2,20 +2,22 @@
 masks on any thread count, read from the cache in place, and stock's greedy tokens; the calls it takes and those it
 leaves; built once per machine, atomically, and where it cannot be built, one warning and PyTorch's kernel."""
 
+import os
 import subprocess
+import tempfile
 import warnings
 from collections import Counter
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from optimum.habana.kernels import cpu_decode, split_context
+from optimum.habana.kernels import cpu_decode, cpu_decode_library, split_context
 from optimum.habana.kernels.cpu_decode import cpu_decode_applies, cpu_decode_sdpa
 from optimum.habana.kernels.dispatch import fused_sdpa
 from tests.helpers import (
     build_pair,
-    count_context_cuts,
     count_decode_kernel_calls,
     decode_step_copies,
     left_padded_batch,
@@ -23,7 +25,7 @@ from tests.helpers import (
 
 
 needs_kernel = pytest.mark.skipif(
-    cpu_decode._environment_problem() is not None, reason=f"no decode kernel here: {cpu_decode._environment_problem()}"
+    cpu_decode.environment_problem() is not None, reason=f"no decode kernel here: {cpu_decode.environment_problem()}"
 )
 GREEDY = {"do_sample": False, "pad_token_id": 0}
 
@@ -31,12 +33,12 @@ GREEDY = {"do_sample": False, "pad_token_id": 0}
 @pytest.fixture
 def fresh_build(tmp_path, monkeypatch):
     """An empty cache folder and no kernel loaded yet in this process; afterwards the real cache folder again."""
-    monkeypatch.setattr(cpu_decode, "cache_root", lambda: tmp_path)
+    monkeypatch.setattr(cpu_decode_library, "cache_root", lambda: tmp_path)
     monkeypatch.delenv("CC", raising=False)
-    for cached in (cpu_decode.decode_kernel, cpu_decode._environment_problem):
+    for cached in (cpu_decode.decode_kernel, cpu_decode.environment_problem):
         cached.cache_clear()
     yield tmp_path / "kernels"
-    for cached in (cpu_decode.decode_kernel, cpu_decode._environment_problem):
+    for cached in (cpu_decode.decode_kernel, cpu_decode.environment_problem):
         cached.cache_clear()
 
 
@@ -159,7 +161,6 @@ CASES_LEFT_TO_PYTORCH = [
     "no sequences",
     "a tensor subclass",
     "turned off",
-    "compiling",
 ]
 
 
@@ -203,8 +204,6 @@ def test_the_calls_it_leaves_to_pytorchs_kernel(case, monkeypatch):
         key = key.as_subclass(SubclassedTensor)
     elif case == "turned off":
         monkeypatch.setenv(cpu_decode.ENV_VAR, "0")
-    elif case == "compiling":
-        monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     assert not cpu_decode_applies(query, key, value, mask, **options)
 
 
@@ -221,18 +220,30 @@ def test_a_switch_value_that_is_neither_is_an_error_naming_it(monkeypatch):
         fused_sdpa(query, key, value, None, is_causal=False, scale=None)
 
 
+def operators_in_graph(function, *inputs) -> list[str]:
+    """The call targets of the graph torch.compile(fullgraph=True) makes of `function`, and its output."""
+    targets: list[str] = []
+
+    def backend(graph_module, example_inputs):
+        targets.extend(str(node.target) for node in graph_module.graph.nodes if node.op == "call_function")
+        return graph_module
+
+    torch._dynamo.reset()
+    output = torch.compile(function, fullgraph=True, backend=backend)(*inputs)
+    return targets, output
+
+
 @pytest.mark.parametrize("decode_kernel", ["on", "off"])
-def test_compiled_code_runs_pytorchs_kernel_whole_in_one_graph(threads, monkeypatch, decode_kernel):
-    """A compiled graph's kernels are its compiler's, and the thread count cannot be traced: neither the decode
-    kernel nor the context cut runs under torch.compile, and the call adds no graph break. Eagerly, the same call
-    runs on one of them (one key/value head on 2 threads, pieces of 4 tokens)."""
-    if decode_kernel == "on" and cpu_decode._environment_problem() is not None:
-        pytest.skip(f"no decode kernel here: {cpu_decode._environment_problem()}")
+def test_compiled_code_keeps_the_decode_kernel_in_its_graph(threads, monkeypatch, decode_kernel):
+    """torch.compile(fullgraph=True) keeps the decode kernel as the operator `optimum_habana.cpu_decode_attention`
+    in its graph (it was once silently swapped for PyTorch's kernel), with no graph break; turned off, PyTorch's
+    kernel runs whole (the context cut, which reads the thread count, never runs in a graph)."""
+    if decode_kernel == "on" and cpu_decode.environment_problem() is not None:
+        pytest.skip(f"no decode kernel here: {cpu_decode.environment_problem()}")
     if decode_kernel == "off":
         monkeypatch.setenv(cpu_decode.ENV_VAR, "0")
     threads(2)
     monkeypatch.setattr(split_context, "MIN_PIECE_TOKENS", 4)
-    calls, cuts = count_decode_kernel_calls(monkeypatch), count_context_cuts(monkeypatch)
     query, key, value = decode_inputs(1, 1, 4, 64, 64)
     query = query.reshape(1, 4, 1, 64)
     expected = F.scaled_dot_product_attention(query, key, value, scale=0.125, enable_gqa=True)
@@ -240,14 +251,37 @@ def test_compiled_code_runs_pytorchs_kernel_whole_in_one_graph(threads, monkeypa
     def attend(query, key, value):
         return fused_sdpa(query, key, value, None, is_causal=False, scale=0.125)
 
-    torch.testing.assert_close(attend(query, key, value), expected, rtol=1e-5, atol=1e-6)
-    assert (sum(calls.values()), sum(cuts.values())) == ((1, 0) if decode_kernel == "on" else (0, 1))
-    calls.clear()
-    cuts.clear()
     explanation = torch._dynamo.explain(attend)(query, key, value)
     assert explanation.graph_break_count == 0
-    torch.testing.assert_close(torch.compile(attend, fullgraph=True)(query, key, value), expected)
-    assert not calls and not cuts
+    targets, output = operators_in_graph(attend, query, key, value)
+    torch.testing.assert_close(output, expected, rtol=1e-5, atol=1e-6)
+    in_graph = any(target.startswith("optimum_habana.cpu_decode_attention") for target in targets)
+    assert in_graph == (decode_kernel == "on"), targets
+    torch.testing.assert_close(torch.compile(attend, fullgraph=True)(query, key, value), expected)  # inductor
+
+
+@needs_kernel
+def test_torch_export_sees_the_decode_kernel():
+    class Attend(torch.nn.Module):
+        def forward(self, query, key, value):
+            return fused_sdpa(query, key, value, None, is_causal=False, scale=0.125)
+
+    query, key, value = decode_inputs(1, 2, 2, 300, 64)
+    exported = torch.export.export(Attend(), (query, key, value))
+    targets = [str(node.target) for node in exported.graph.nodes if node.op == "call_function"]
+    assert "optimum_habana.cpu_decode_attention.default" in targets
+    expected = F.scaled_dot_product_attention(query, key, value, scale=0.125)
+    torch.testing.assert_close(exported.module()(query, key, value), expected, rtol=1e-5, atol=1e-6)
+
+
+@needs_kernel
+def test_the_profiler_names_the_decode_kernel_at_every_decode_step(pair):
+    ours, _ = pair
+    inputs = left_padded_batch([20, 13])
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        ours.generate(**inputs, max_new_tokens=4, min_new_tokens=4, do_sample=False, use_flash_attention=True)
+    calls = [event for event in profile.events() if event.name == "optimum_habana::cpu_decode_attention"]
+    assert len(calls) == 3 * ours.config.num_hidden_layers  # every layer of every decode step after the prompt
 
 
 @needs_kernel
@@ -333,12 +367,12 @@ def test_the_kernel_is_built_once_into_the_cache_folder(fresh_build, monkeypatch
             compiles.append(command)
         return run(command, *args, **kwargs)
 
-    monkeypatch.setattr(cpu_decode.subprocess, "run", counted)
+    monkeypatch.setattr(cpu_decode_library.subprocess, "run", counted)
     assert cpu_decode.decode_kernel(64) is not None
     built = sorted(path.name for path in fresh_build.iterdir())
-    assert (
-        len(compiles) == 1 and len(built) == 1 and built[0].startswith("cpu_decode_float32_d64_")
-    )  # no temporary left
+    assert len(compiles) == 1 and len(built) == 2  # the library and its record; no temporary left
+    assert built[0].startswith("cpu_decode_float32_d64_") and built[1] == built[0] + ".sha256"
+    assert (fresh_build / built[0]).stat().st_mode & 0o755 == 0o755  # readable by every user of a shared folder
     cpu_decode.decode_kernel.cache_clear()  # a new process, as far as the kernel knows
     assert cpu_decode.decode_kernel(64) is not None
     assert len(compiles) == 1  # loaded, not built again
@@ -351,7 +385,7 @@ def test_the_kernel_is_built_once_into_the_cache_folder(fresh_build, monkeypatch
 def test_a_cache_folder_that_cannot_be_written_builds_in_a_temporary_folder(fresh_build, monkeypatch, tmp_path):
     blocker = tmp_path / "a file"
     blocker.write_text("")
-    monkeypatch.setattr(cpu_decode, "cache_root", lambda: blocker)
+    monkeypatch.setattr(cpu_decode_library, "cache_root", lambda: blocker)
     assert cpu_decode.decode_kernel(64) is not None
     query, key, value = decode_inputs(1, 2, 2, 700, 64)
     expected = F.scaled_dot_product_attention(query, key, value)
@@ -361,12 +395,12 @@ def test_a_cache_folder_that_cannot_be_written_builds_in_a_temporary_folder(fres
 @pytest.mark.parametrize("problem", ["no compiler", "a failing build"])
 def test_without_the_kernel_one_warning_and_pytorchs_attention(fresh_build, monkeypatch, problem):
     if problem == "no compiler":
-        monkeypatch.setattr(cpu_decode, "_compiler", lambda: None)
+        monkeypatch.setattr(cpu_decode_library, "compiler", lambda: None)
         expected_message = "no C compiler: install gcc, or name one in CC"
     else:
-        if cpu_decode._environment_problem() is not None:
-            pytest.skip(f"no decode kernel here: {cpu_decode._environment_problem()}")
-        monkeypatch.setattr(cpu_decode, "FLAGS", (*cpu_decode.FLAGS, "-fno-such-option"))
+        if cpu_decode.environment_problem() is not None:
+            pytest.skip(f"no decode kernel here: {cpu_decode.environment_problem()}")
+        monkeypatch.setattr(cpu_decode_library, "FLAGS", (*cpu_decode_library.FLAGS, "-fno-such-option"))
         expected_message = "building it for torch.float32 heads of 64 failed"
     query, key, value = decode_inputs(1, 2, 2, 700, 64)
     query = query.reshape(1, 4, 1, 64)
@@ -379,3 +413,83 @@ def test_without_the_kernel_one_warning_and_pytorchs_attention(fresh_build, monk
     for output in outputs:
         torch.testing.assert_close(output, expected, rtol=1e-5, atol=1e-6)
     assert not list(fresh_build.glob("*.so"))
+
+
+def library_files(folder):
+    return sorted(path for path in folder.iterdir() if path.suffix == ".so")
+
+
+@needs_kernel
+@pytest.mark.parametrize(
+    "damage", ["cut short after a valid header", "text", "empty", "another build's library"], ids=str
+)
+def test_a_damaged_library_is_built_again_never_loaded(fresh_build, monkeypatch, tmp_path, damage):
+    """A damaged library in the cache folder was handed to dlopen (SIGBUS at the first decode step, or a warning in
+    every process and the kernel off for good): its record no longer matches, and it is built again, silently."""
+    assert cpu_decode.decode_kernel(64) is not None
+    (library,) = library_files(fresh_build)
+    if damage == "cut short after a valid header":
+        damaged = library.read_bytes()[:3000]
+    elif damage == "text":
+        damaged = b"not a library"
+    elif damage == "empty":
+        damaged = b""
+    else:
+        assert cpu_decode.decode_kernel(32) is not None
+        damaged = next(path for path in library_files(fresh_build) if "_d32_" in path.name).read_bytes()
+    # A new file in its place, as another process's damage looks to this one (this process has the old one mapped:
+    # writing into it would fault here, not in the process the test stands for).
+    replacement = tmp_path / "damaged.so"
+    replacement.write_bytes(damaged)
+    os.replace(replacement, library)
+    cpu_decode.decode_kernel.cache_clear()  # the next process
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no warning: it heals
+        assert cpu_decode.decode_kernel(64) is not None
+    query, key, value = decode_inputs(1, 2, 2, 700, 64)
+    expected = F.scaled_dot_product_attention(query, key, value)
+    torch.testing.assert_close(cpu_decode_sdpa(query, key, value, None, scale=0.125), expected, rtol=1e-5, atol=1e-6)
+
+
+@needs_kernel
+def test_a_library_that_disagrees_with_pytorch_is_never_used(fresh_build, monkeypatch, tmp_path):
+    """A library that loads but computes wrongly (here: a source whose scores are scaled 1.3x) is built again once,
+    then left off with one warning; decode steps run on PyTorch's kernel."""
+    planted = tmp_path / "cpu_decode.c"
+    source = cpu_decode_library.SOURCE.read_text()
+    planted.write_text(source.replace("float score = dot * head->scale;", "float score = dot * head->scale * 1.3f;"))
+    assert planted.read_text() != source
+    monkeypatch.setattr(cpu_decode_library, "SOURCE", planted)
+    query, key, value = decode_inputs(1, 2, 2, 700, 64)
+    expected = F.scaled_dot_product_attention(query, key, value)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        outputs = [fused_sdpa(query, key, value, None, is_causal=False, scale=None) for _ in range(2)]
+    messages = [str(warning.message) for warning in caught if "CPU decode kernel" in str(warning.message)]
+    assert len(messages) == 1 and "gives other results than PyTorch's attention" in messages[0]
+    for output in outputs:
+        torch.testing.assert_close(output, expected, rtol=1e-5, atol=1e-6)
+
+
+@needs_kernel
+def test_a_read_only_cache_folder_leaves_no_temporary_folder(fresh_build, monkeypatch, tmp_path):
+    blocker = tmp_path / "a file"
+    blocker.write_text("")
+    monkeypatch.setattr(cpu_decode_library, "cache_root", lambda: blocker)
+    temporary = Path(tempfile.gettempdir())
+    before = set(temporary.glob("optimum-habana-kernels-*"))
+    assert cpu_decode.decode_kernel(64) is not None
+    assert set(temporary.glob("optimum-habana-kernels-*")) == before
+
+
+def test_the_cache_key_names_the_cpu_on_arm_too(monkeypatch, tmp_path):
+    cpuinfo = "processor\t: 0\nFeatures\t: fp asimd sve\nCPU implementer\t: 0x41\nCPU part\t: 0xd40\n"
+    identities = []
+    for features in ("fp asimd sve", "fp asimd"):
+        info = tmp_path / f"cpuinfo-{len(features)}"
+        info.write_text(cpuinfo.replace("fp asimd sve", features))
+        monkeypatch.setattr(
+            cpu_decode_library, "Path", lambda path, info=info: info if path == "/proc/cpuinfo" else Path(path)
+        )
+        identities.append(cpu_decode_library.cpu_identity())
+    assert identities[0] != identities[1] and "0xd40" in identities[0]

@@ -18,7 +18,7 @@ from tests.helpers import SLIDING_WINDOW_CONFIGS, build_pair, count_attention_pa
 
 
 needs_kernel = pytest.mark.skipif(
-    cpu_decode._environment_problem() is not None, reason=f"no decode kernel here: {cpu_decode._environment_problem()}"
+    cpu_decode.environment_problem() is not None, reason=f"no decode kernel here: {cpu_decode.environment_problem()}"
 )
 
 

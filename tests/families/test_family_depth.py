@@ -113,8 +113,8 @@ def test_one_sequence_decode_cut_for_idle_threads_gives_stock_tokens(model_type,
 @pytest.mark.parametrize("model_type", FAMILY_TYPES)
 def test_decode_steps_on_the_cpu_decode_kernel_give_stock_tokens(model_type, monkeypatch):
     """fp32 decode steps on CPU run on the decode kernel (`kernels/cpu_decode.py`), padded batch included."""
-    if cpu_decode._environment_problem() is not None:
-        pytest.skip(f"no decode kernel here: {cpu_decode._environment_problem()}")
+    if cpu_decode.environment_problem() is not None:
+        pytest.skip(f"no decode kernel here: {cpu_decode.environment_problem()}")
     calls = count_decode_kernel_calls(monkeypatch)
     ours, stock = family_pair(model_type)
     inputs = left_padded_batch(LENGTHS)
@@ -161,7 +161,7 @@ def test_continuous_batching_reads_the_paged_cache_in_place_and_gives_generates_
     variants = set(family_table()[model_type].variants)
     full_layers = FULL_ATTENTION in group_layers_by_attn_type(ours.config)
     reads_in_place = full_layers and local_layers_run_planned(ours.config) and not variants & {SINKS, SOFTCAP}
-    if cpu_decode._environment_problem() is None:
+    if cpu_decode.environment_problem() is None:
         assert bool(in_place) == reads_in_place
 
 

@@ -21,22 +21,15 @@ tokens at the slots the engine's read index names, for every sequence's decode r
 
 import ctypes
 import functools
-import hashlib
 import os
-import platform
-import shutil
-import subprocess
-import tempfile
 import warnings
-from pathlib import Path
 
 import torch
 from transformers.utils.import_utils import is_tracing
 
-from ..utils.model_loading import cache_root
+from .cpu_decode_library import environment_problem, load_library
 
 
-SOURCE = Path(__file__).with_name("cpu_decode.c")
 ENV_VAR = "OPTIMUM_HABANA_CPU_DECODE_KERNEL"
 # A decode step's query group, or a few speculative tokens: the kernel keeps rows x CHUNK_MAX scores per thread.
 MAX_QUERY_ROWS = 32
@@ -52,11 +45,6 @@ CHUNK_MAX = 2048
 PAGED_CHUNK = 256
 # The caches it reads, by the macro that builds it for them: float32, and bfloat16 (widened as it is read).
 CACHE_DTYPES = {torch.float32: "", torch.bfloat16: "-DCACHE_BF16"}
-# Vectorisation without -ffast-math's assumption that nothing is infinite (masked scores are -inf).
-FLAGS = (
-    "-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math", "-fno-signed-zeros",
-    "-fopenmp", "-shared", "-fPIC",
-)  # fmt: skip
 
 
 def cpu_decode_applies(
@@ -73,10 +61,13 @@ def cpu_decode_applies(
     the head size contiguous, no causal mask and no dropout. Decided from shapes and settings; builds the kernel the
     first time. The kernel reads raw memory: every shape it relies on is checked here, and anything else (a value
     cache of another length, a mask of another shape or dtype) is left to PyTorch's kernel, which raises."""
+    # torch.compile and torch.export record the operator in their graph (its fake implementation gives the shape);
+    # torch.jit.trace and FX cannot see its C call (its output would be recorded as a constant).
+    into_graph = torch.compiler.is_compiling() or torch.compiler.is_exporting()
     if (
-        any(type(tensor) is not torch.Tensor for tensor in (query, key, value))  # fake, proxy or subclass: no memory
+        (not into_graph and any(type(tensor) is not torch.Tensor for tensor in (query, key, value)))  # no memory
         or query.device.type != "cpu"
-        or is_tracing(query)  # a traced graph cannot see a C function: its output would be recorded as a constant
+        or (is_tracing(query) and not into_graph)
         or query.dtype not in CACHE_DTYPES
         or len({query.dtype, key.dtype, value.dtype}) > 1
         or is_causal
@@ -100,13 +91,20 @@ def cpu_decode_applies(
         or not _mask_fits(attn_mask, (*query.shape[:3], key.shape[2]))
     ):
         return False  # PyTorch's kernel then says what is wrong with it
-    return turned_on() and decode_kernel(query.shape[-1], query.dtype) is not None
+    return kernel_ready(query.shape[-1], query.dtype)
+
+
+@torch._dynamo.assume_constant_result
+def kernel_ready(head_dim: int, dtype: torch.dtype) -> bool:
+    """Whether the kernel is on and built for this head size and dtype: decided on the host (building it the first
+    time), a constant to a compiled graph."""
+    return turned_on() and decode_kernel(head_dim, dtype) is not None
 
 
 def decode_kernel_expected(dtype: torch.dtype) -> bool:
     """Whether eager decode steps on CPU in `dtype` would run on the decode kernel here, without building it (for
     run_generation.py's --explain)."""
-    return dtype in CACHE_DTYPES and turned_on() and _environment_problem() is None
+    return dtype in CACHE_DTYPES and turned_on() and environment_problem() is None
 
 
 def turned_on() -> bool:
@@ -139,7 +137,38 @@ def cpu_decode_sdpa(
     scale: float,
 ) -> torch.Tensor:
     """Attention of a few query rows `[B, H, q, D]` over `[B, H, L, D]` on the decode kernel (`cpu_decode_applies`
-    has said yes). `attn_mask`: boolean (True = attend) or additive, broadcastable to `[B, H, q, L]`."""
+    has said yes). `attn_mask`: boolean (True = attend) or additive, broadcastable to `[B, H, q, L]`. Runs as the
+    operator `optimum_habana::cpu_decode_attention`: the profiler names it, torch.compile and torch.export keep it."""
+    return torch.ops.optimum_habana.cpu_decode_attention(query, key, value, attn_mask, scale)
+
+
+@torch.library.custom_op("optimum_habana::cpu_decode_attention", mutates_args=())
+def _decode_attention_operator(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None, scale: float
+) -> torch.Tensor:
+    if not _kernel_takes(query, key, value):  # a compiled graph may hand the operator other strides than eager code
+        return torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, scale=scale)
+    return _decode_attention(query, key, value, attn_mask, scale=scale)
+
+
+@_decode_attention_operator.register_fake
+def _(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None, scale: float):
+    return query.new_empty(query.shape)
+
+
+def _kernel_takes(*tensors: torch.Tensor) -> bool:
+    return all(tensor.stride(-1) == 1 for tensor in tensors)
+
+
+def _decode_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    *,
+    scale: float,
+    kernel: ctypes.CDLL | None = None,
+) -> torch.Tensor:
     batch, heads, rows, head_dim = query.shape
     length = key.shape[2]
     rows_dtype, query = query.dtype, query.float()  # a few rows: the kernel's arithmetic is float32
@@ -157,7 +186,8 @@ def cpu_decode_sdpa(
     threads = torch.get_num_threads()
     pieces_per_head = -(-2 * threads // (batch * heads))
     chunk = min(CHUNK_MAX, max(CHUNK_MIN, -(-length // pieces_per_head)))
-    failed = decode_kernel(head_dim, key.dtype).decode_attention(
+    kernel = kernel or decode_kernel(head_dim, key.dtype)
+    failed = kernel.decode_attention(
         query.data_ptr(), *query.stride()[:3],
         key.data_ptr(), *key.stride()[:3],
         value.data_ptr(), *value.stride()[:3],
@@ -205,7 +235,39 @@ def paged_decode_sdpa(
     """One query row per sequence, `query [S, H, D]`, over the keys and values of a paged cache where they lie:
     the views `keys`, `values` `[slots, Hkv, D]`, sequence s's tokens at `slots[starts[s]:starts[s] + lengths[s]]`
     (int64). Every row attends to all its sequence's tokens (a decode step's). Returns `[S, H, D]`. A slot outside
-    the views is an error, never a read."""
+    the views is an error, never a read. Runs as the operator `optimum_habana::paged_decode_attention`."""
+    return torch.ops.optimum_habana.paged_decode_attention(query, keys, values, slots, starts, lengths, scale)
+
+
+@torch.library.custom_op("optimum_habana::paged_decode_attention", mutates_args=())
+def _paged_decode_operator(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    slots: torch.Tensor,
+    starts: list[int],
+    lengths: list[int],
+    scale: float,
+) -> torch.Tensor:
+    return _paged_decode_attention(query, keys, values, slots, starts, lengths, scale=scale)
+
+
+@_paged_decode_operator.register_fake
+def _(query, keys, values, slots, starts, lengths, scale):
+    return query.new_empty(query.shape)
+
+
+def _paged_decode_attention(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    slots: torch.Tensor,
+    starts: list[int],
+    lengths: list[int],
+    *,
+    scale: float,
+    kernel: ctypes.CDLL | None = None,
+) -> torch.Tensor:
     sequences, heads, head_dim = query.shape
     kv_heads = keys.shape[1]
     if max(start + length for start, length in zip(starts, lengths, strict=True)) > slots.numel():
@@ -217,7 +279,8 @@ def paged_decode_sdpa(
     bounds = torch.tensor([starts, lengths], dtype=torch.int64)
     output = torch.empty(sequences, heads, head_dim)
     threads, slot_count = torch.get_num_threads(), min(keys.shape[0], values.shape[0])
-    failed = decode_kernel(head_dim, keys.dtype).paged_decode_attention(
+    kernel = kernel or decode_kernel(head_dim, keys.dtype)
+    failed = kernel.paged_decode_attention(
         query.data_ptr(), *query.stride()[:2],
         keys.data_ptr(), *keys.stride()[:2],
         values.data_ptr(), *values.stride()[:2],
@@ -233,16 +296,10 @@ def paged_decode_sdpa(
 
 @functools.cache
 def decode_kernel(head_dim: int, dtype: torch.dtype = torch.float32) -> ctypes.CDLL | None:
-    """The kernel's library for this head size and cache dtype (`decode_attention`, `paged_decode_attention`), built
-    or loaded from the cache folder; None (after one warning) where it cannot be built here."""
-    problem = _environment_problem()
-    if problem is None:
-        try:
-            kernel = ctypes.CDLL(str(_built_library(head_dim, dtype)))
-            dense, paged = kernel.decode_attention, kernel.paged_decode_attention
-        except (OSError, AttributeError, subprocess.CalledProcessError) as error:
-            details = (getattr(error, "stderr", "") or str(error)).strip().splitlines() or ["no output"]
-            problem = f"building it for {dtype} heads of {head_dim} failed: {details[-1]}"
+    """The kernel's library for this head size and cache dtype (`decode_attention`, `paged_decode_attention`): built
+    or loaded from the cache folder, and checked against PyTorch's attention before first use
+    (`cpu_decode_library.py`); None, after one warning, where no good library can be had here."""
+    kernel, problem = load_library(head_dim, dtype, CACHE_DTYPES[dtype], agrees_with_pytorch)
     if problem is not None:
         warnings.warn(
             f"The CPU decode kernel cannot run here ({problem}): decode steps run on PyTorch's flash kernel, "
@@ -250,93 +307,29 @@ def decode_kernel(head_dim: int, dtype: torch.dtype = torch.float32) -> ctypes.C
             UserWarning,
             stacklevel=2,
         )
-        return None
-    integer, pointer = ctypes.c_int64, ctypes.c_void_p
-    dense.argtypes = [
-        pointer, integer, integer, integer,
-        pointer, integer, integer, integer,
-        pointer, integer, integer, integer,
-        pointer, pointer, integer, integer, integer, integer,
-        pointer, integer, integer, integer, integer, ctypes.c_float, integer, ctypes.c_int,
-    ]  # fmt: skip
-    paged.argtypes = [
-        pointer, integer, integer,
-        pointer, integer, integer, pointer, integer, integer,
-        integer, pointer, pointer, pointer,
-        pointer, integer, integer, integer, ctypes.c_float, integer, ctypes.c_int,
-    ]  # fmt: skip
-    dense.restype = paged.restype = ctypes.c_int
     return kernel
 
 
-@functools.cache
-def _environment_problem() -> str | None:
-    """Why no kernel can be built in this process, or None."""
-    if _compiler() is None:
-        return "no C compiler: install gcc, or name one in CC"
-    if _openmp_library() is None:
-        return "PyTorch here does not run on GNU OpenMP (libgomp), whose threads the kernel shares"
-    return None
-
-
-def _compiler() -> str | None:
-    return shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
-
-
-@functools.cache
-def _openmp_library() -> Path | None:
-    """The `libgomp` this process has loaded (PyTorch's own copy, in pip's builds)."""
-    try:
-        maps = Path("/proc/self/maps").read_text()
-    except OSError:
-        return None
-    for line in maps.splitlines():
-        path = line.split()[-1]
-        if "/libgomp" in path and ".so" in path:
-            return Path(path)
-    return None
-
-
-def _built_library(head_dim: int, dtype: torch.dtype) -> Path:
-    """The library for `head_dim`, compiled once per source, flags, compiler, OpenMP runtime and CPU into the cache
-    folder (atomically: a killed build leaves no half library to load). Where the cache folder cannot be written it
-    is built for this process alone, in a new temporary folder (a shared one could hold anyone's library)."""
-    compiler, openmp = _compiler(), _openmp_library()
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
-    fingerprint = hashlib.sha256(SOURCE.read_bytes())
-    flags = [*FLAGS, f"-DHEAD_DIM={head_dim}", CACHE_DTYPES[dtype]]
-    for part in (*flags, compiler, version, str(openmp), _cpu_features()):
-        fingerprint.update(part.encode())
-    name = f"cpu_decode_{str(dtype).removeprefix('torch.')}_d{head_dim}_{fingerprint.hexdigest()[:16]}.so"
-    folder = cache_root() / "kernels"
-    if (folder / name).is_file():
-        return folder / name
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        descriptor, building = tempfile.mkstemp(prefix=f".{name}.", suffix=".so", dir=folder)
-    except OSError:
-        folder = Path(tempfile.mkdtemp(prefix="optimum-habana-kernels-"))
-        descriptor, building = tempfile.mkstemp(prefix=f".{name}.", suffix=".so", dir=folder)
-    os.close(descriptor)
-    command = [compiler, *filter(None, flags), str(SOURCE), "-o", building]
-    command += [str(openmp), f"-Wl,-rpath,{openmp.parent}", "-lm"]
-    try:
-        subprocess.run(command, capture_output=True, text=True, check=True)
-        os.replace(building, folder / name)
-    finally:
-        if os.path.exists(building):
-            os.unlink(building)
-    return folder / name
-
-
-def _cpu_features() -> str:
-    """The CPU's model and instruction sets: a library built with -march=native on another CPU (a cache folder
-    shared between machines) may use instructions this one lacks."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return platform.processor() or platform.machine()
-    return "\n".join(next((line for line in lines if line.startswith(field)), "") for field in ("model name", "flags"))
+def agrees_with_pytorch(kernel: ctypes.CDLL, head_dim: int, dtype: torch.dtype) -> bool:
+    """Whether a freshly loaded library gives PyTorch's attention on a small input, through both entries: a library
+    that loads but was miscompiled (or built for another CPU) must never serve a decode step."""
+    generator = torch.Generator().manual_seed(0)
+    query, key, value = (
+        torch.randn(2, 2, length, head_dim, generator=generator).to(dtype) for length in (3, 300, 300)
+    )
+    query = query.float()  # the rows as the kernel computes them: float32 from the dtype's values
+    scale = head_dim**-0.5
+    expected = torch.nn.functional.scaled_dot_product_attention(query, key.float(), value.float(), scale=scale)
+    dense = _decode_attention(query.to(dtype), key, value, None, scale=scale, kernel=kernel).float()
+    pages = (tensor[0].transpose(0, 1) for tensor in (key, value))  # one sequence's tokens as slots
+    rows = query[0, :, :1].transpose(0, 1).to(dtype)  # its first query row per head
+    slots = torch.arange(300)
+    paged = _paged_decode_attention(rows, *pages, slots, [0], [300], scale=scale, kernel=kernel).float()
+    tolerance = 1e-4 if dtype == torch.float32 else 1e-2  # bfloat16: the output's one rounding
+    return bool(
+        torch.allclose(dense, expected, rtol=tolerance, atol=tolerance)
+        and torch.allclose(paged, expected[0, :, :1].transpose(0, 1), rtol=tolerance, atol=tolerance)
+    )
 
 
 __all__ = [
