@@ -311,7 +311,7 @@ def decode_kernel(head_dim: int, dtype: torch.dtype = torch.float32) -> ctypes.C
 
 
 def agrees_with_pytorch(kernel: ctypes.CDLL, head_dim: int, dtype: torch.dtype) -> bool:
-    """Whether a freshly loaded library gives PyTorch's attention on a small input, through both entries: a library
+    """Whether a freshly loaded library gives the attention's own arithmetic on a small input, through both entries: a library
     that loads but was miscompiled (or built for another CPU) must never serve a decode step."""
     generator = torch.Generator().manual_seed(0)
     query, key, value = (
@@ -319,7 +319,8 @@ def agrees_with_pytorch(kernel: ctypes.CDLL, head_dim: int, dtype: torch.dtype) 
     )
     query = query.float()  # the rows as the kernel computes them: float32 from the dtype's values
     scale = head_dim**-0.5
-    expected = torch.nn.functional.scaled_dot_product_attention(query, key.float(), value.float(), scale=scale)
+    # The reference written out (a softmax of the scaled scores): the check reads no other kernel of its own.
+    expected = torch.softmax(query @ key.float().transpose(-1, -2) * scale, dim=-1) @ value.float()
     dense = _decode_attention(query.to(dtype), key, value, None, scale=scale, kernel=kernel).float()
     pages = (tensor[0].transpose(0, 1) for tensor in (key, value))  # one sequence's tokens as slots
     rows = query[0, :, :1].transpose(0, 1).to(dtype)  # its first query row per head
