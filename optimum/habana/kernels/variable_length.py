@@ -113,7 +113,19 @@ def padded_causal_sdpa(
         output = _gather_positions(causal(*permuted, "right"), restore)
     if prompt.side == "none":
         return output
+    if prompt.side == "right" and torch.is_grad_enabled() and output.requires_grad:
+        return torch.where(prompt.real[:, None, :, None], output, _mean_of_real_values(value, prompt, query.shape[1]))
     return output.masked_fill(~prompt.real[:, None, :, None], 0.0)
+
+
+def _mean_of_real_values(value: torch.Tensor, prompt: PaddedPrompt, heads: int) -> torch.Tensor:
+    """`[B, H, 1, Dv]`: each row's values averaged over its real tokens, what a padding query after them gets from
+    stock attention when its query is zero (a zero padding embedding). In training, padding rows get it instead of
+    zeros: their outputs reach no real token, but a family that takes a magnitude without an epsilon (Gemma 3n's
+    `mean(h ** 2) ** 0.5`) turns an exactly zero hidden state into NaN gradients for every parameter."""
+    real = prompt.real[:, None, :, None].to(value.dtype)
+    mean = (value * real).sum(dim=2, keepdim=True) / real.sum(dim=2, keepdim=True).clamp_min(1)
+    return mean.repeat_interleave(heads // value.shape[1], dim=1)
 
 
 def segmented_sdpa(
