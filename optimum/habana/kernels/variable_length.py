@@ -8,7 +8,8 @@
 
 Each layout comes planned in one of two ways, by `optimum.habana.transformers.batch_layout`, once per forward:
 on the host (eager on CPU or CUDA: the padding side, the sequences' bounds as Python numbers), or as tensors only
-(inside a graph, and on Gaudi, where nothing may be read to the host). Outputs at padding positions are zero.
+(inside a graph, and on Gaudi, where nothing may be read to the host). Outputs at padding positions are zero,
+except a right-padded prompt's in training (`_mean_of_real_values`).
 """
 
 from typing import Literal, NamedTuple
