@@ -7,6 +7,7 @@ import subprocess
 import tempfile
 import warnings
 from collections import Counter
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -151,7 +152,6 @@ CASES_LEFT_TO_PYTORCH = [
     "dropout",
     "a prompt's rows",
     "heads not stacked",
-    "value heads of another size",
     "heads of 1024",
     "a head size that is not contiguous",
     "a mask of 3 dimensions",
@@ -184,8 +184,6 @@ def test_the_calls_it_leaves_to_pytorchs_kernel(case, monkeypatch):
         query = query.repeat(1, 1, 9, 1)  # 36 rows
     elif case == "heads not stacked":
         query = query.reshape(1, 8, 1, 64)
-    elif case == "value heads of another size":  # latent attention
-        value = value[..., :32]
     elif case == "heads of 1024":
         query, key, value = (tensor.repeat(1, 1, 1, 16) for tensor in (query, key, value))
     elif case == "a head size that is not contiguous":
@@ -493,3 +491,47 @@ def test_the_cache_key_names_the_cpu_on_arm_too(monkeypatch, tmp_path):
         )
         identities.append(cpu_decode_library.cpu_identity())
     assert identities[0] != identities[1] and "0xd40" in identities[0]
+
+
+@needs_kernel
+@pytest.mark.parametrize("kv_heads", [1, 2, 8], ids=lambda heads: f"{heads} key/value heads")
+@pytest.mark.parametrize("variant", ["sinks", "latent values", "both"])
+def test_sinks_and_latent_values_run_on_the_kernel_as_they_are(variant, kv_heads, monkeypatch):
+    """A decode step with sinks (gpt-oss) or values of another size than the queries (DeepSeek's latent attention)
+    runs on the decode kernel: the sinks join each row's softmax and the weighted sum runs over the values' own
+    width, with no sink column added to the keys and no value padded (each a copy as long as the context). Against
+    the attention written out, padded rows masked, on 2 threads."""
+    calls = count_decode_kernel_calls(monkeypatch)
+    generator = torch.Generator().manual_seed(1)
+    value_dim = 48 if variant != "sinks" else 64
+    query = torch.randn(2, 8, 1, 64, generator=generator)
+    key = torch.randn(2, kv_heads, 600, 64, generator=generator)
+    value = torch.randn(2, kv_heads, 600, value_dim, generator=generator)
+    sinks = torch.randn(8, generator=generator) if variant != "latent values" else None
+    mask = torch.ones(2, 1, 1, 600, dtype=torch.bool)
+    mask[0, ..., :150] = False
+    with no_copy_as_long_as(600, monkeypatch) as copies:
+        output = fused_sdpa(query, key, value, mask, is_causal=False, scale=0.125, sinks=sinks)
+    assert not copies and sum(calls.values()) == 1
+    groups = 8 // kv_heads
+    expected = cpu_decode._reference_attention(
+        query, key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1), mask, 0.125, sinks
+    )
+    torch.testing.assert_close(output, expected, rtol=1e-5, atol=1e-6)
+
+
+@contextmanager
+def no_copy_as_long_as(length: int, monkeypatch):
+    """The padding and concatenation calls made with an operand as long as `length` tokens (a copy of the cache)."""
+    copies = []
+    for module, name in ((F, "pad"), (torch, "cat")):
+        original = getattr(module, name)
+
+        def spied(*args, original=original, name=name, **kwargs):
+            tensors = args[0] if isinstance(args[0], list | tuple) else [args[0]]
+            if any(isinstance(tensor, torch.Tensor) and length in tensor.shape for tensor in tensors):
+                copies.append(name)
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, spied)
+    yield copies

@@ -114,8 +114,9 @@ def test_decode_steps_on_the_cpu_decode_kernel_give_stock_tokens(model_type, mon
     inputs = left_padded_batch(LENGTHS)
     reference = greedy(stock, inputs)
     assert_same_steps(greedy(ours, inputs, use_flash_attention=True), reference)
-    may_go_whole = {"soft-capped logits", "latent attention (value head size differs from the query's)"}
-    assert calls or may_go_whole & set(family_table()[model_type].variants)
+    # sinks and latent attention's values of another size run on the kernel as they are; soft-capped logits take
+    # the default path
+    assert calls or "soft-capped logits" in family_table()[model_type].variants
 
 
 @pytest.mark.parametrize("model_type", FAMILY_TYPES)

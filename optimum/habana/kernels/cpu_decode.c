@@ -11,6 +11,9 @@
  * maximum and exp-sum, and the exp-weighted sum of its values. The pieces of a (sequence, head) then combine
  * exactly, each weighted by exp(its maximum - the overall maximum) (flash-decoding).
  *
+ * Sinks (one logit per query row, as gpt-oss learns one per head) join each row's softmax as one more score whose
+ * value is zero: they add exp(sink - maximum) to the row's exp-sum when the pieces combine.
+ *
  * Two entry points: `decode_attention` reads a dense cache ([batch, heads, length, size] by strides), and
  * `paged_decode_attention` a paged one in place, each sequence's tokens at the slots its list names (transformers'
  * continuous-batching cache), instead of a copy gathered per layer.
@@ -22,6 +25,10 @@
 
 #ifndef HEAD_DIM
 #error "build with -DHEAD_DIM=<the heads' size>"
+#endif
+/* latent attention's values are of another size than its queries and keys: -DVALUE_DIM=<size> */
+#ifndef VALUE_DIM
+#define VALUE_DIM HEAD_DIM
 #endif
 
 #ifdef CACHE_BF16
@@ -81,7 +88,7 @@ typedef struct {
 } Head;
 
 /* One piece: `rows` query rows against tokens [start, stop). `scores` holds rows x (stop - start) floats. Writes
- * the rows' exp-weighted value sums (rows x HEAD_DIM), their score maxima and their exp-sums. Returns 0, or 2 when
+ * the rows' exp-weighted value sums (rows x VALUE_DIM), their score maxima and their exp-sums. Returns 0, or 2 when
  * a slot lies outside the views (nothing is read there). */
 static int attend_piece(const Head *head, int64_t start, int64_t stop, float *restrict scores,
                         float *restrict sums, float *restrict maxima, float *restrict totals) {
@@ -123,7 +130,7 @@ static int attend_piece(const Head *head, int64_t start, int64_t stop, float *re
         }
         maxima[row] = maximum;
         totals[row] = total;
-        memset(sums + row * HEAD_DIM, 0, sizeof(float) * HEAD_DIM);
+        memset(sums + row * VALUE_DIM, 0, sizeof(float) * VALUE_DIM);
     }
     for (int64_t token = start; token < stop; token++) {
         const int64_t slot = head->slots ? head->slots[token] : token;
@@ -131,8 +138,8 @@ static int attend_piece(const Head *head, int64_t start, int64_t stop, float *re
         for (int64_t first_row = 0; first_row < head->rows; first_row += head->group, value += head->value_head) {
             for (int64_t row = first_row; row < first_row + head->group; row++) {
                 const float weight = scores[row * width + token - start];
-                float *row_sum = sums + row * HEAD_DIM;
-                for (int d = 0; d < HEAD_DIM; d++) row_sum[d] += weight * widen(value[d]);
+                float *row_sum = sums + row * VALUE_DIM;
+                for (int d = 0; d < VALUE_DIM; d++) row_sum[d] += weight * widen(value[d]);
             }
         }
     }
@@ -154,6 +161,8 @@ typedef struct {
     const float *additive;
     const uint8_t *allowed;
     int64_t mask_sequence, mask_head, mask_row, mask_token;
+    const float *sinks; /* or NULL: (head h, row r)'s logit at sinks[h * sink_head + r * sink_row] */
+    int64_t sink_head, sink_row;
     float *output;
     int64_t sequences, heads, rows, group, chunk;
     float scale;
@@ -175,7 +184,7 @@ static int attend(const Call *call) {
     first[0] = 0;
     for (int64_t s = 0; s < sequences; s++) first[s + 1] = first[s] + heads * ((length_of(call, s) + chunk - 1) / chunk);
     const int64_t pieces = first[sequences];
-    const int64_t piece_floats = rows * (HEAD_DIM + 2); /* value sums, maxima, exp-sums */
+    const int64_t piece_floats = rows * (VALUE_DIM + 2); /* value sums, maxima, exp-sums */
     float *partial = malloc(sizeof(float) * (pieces ? pieces : 1) * piece_floats);
     if (!partial) {
         free(first);
@@ -220,7 +229,7 @@ static int attend(const Call *call) {
             };
             const int64_t start = part * chunk, stop = start + chunk < length ? start + chunk : length;
             float *sums = partial + piece * piece_floats;
-            if (attend_piece(&head, start, stop, scores, sums, sums + rows * HEAD_DIM, sums + rows * (HEAD_DIM + 1))) {
+            if (attend_piece(&head, start, stop, scores, sums, sums + rows * VALUE_DIM, sums + rows * (VALUE_DIM + 1))) {
 #pragma omp atomic write
                 failure = 2;
             }
@@ -238,22 +247,24 @@ static int attend(const Call *call) {
         const int64_t chunks = (length_of(call, sequence) + chunk - 1) / chunk;
         const float *own = partial + (first[sequence] + h * chunks) * piece_floats;
         for (int64_t row = 0; row < rows; row++) {
-            float *out = call->output + (sequence_head * rows + row) * HEAD_DIM;
+            float *out = call->output + (sequence_head * rows + row) * VALUE_DIM;
             float maximum = -INFINITY;
             for (int64_t part = 0; part < chunks; part++) {
-                const float piece_maximum = own[part * piece_floats + rows * HEAD_DIM + row];
+                const float piece_maximum = own[part * piece_floats + rows * VALUE_DIM + row];
                 maximum = piece_maximum > maximum ? piece_maximum : maximum;
             }
-            memset(out, 0, sizeof(float) * HEAD_DIM);
-            if (maximum == -INFINITY) continue; /* no key this row may attend to */
-            float total = 0.f;
+            memset(out, 0, sizeof(float) * VALUE_DIM);
+            if (maximum == -INFINITY) continue; /* no key this row may attend to (a sink alone weighs a zero value) */
+            const float sink = call->sinks ? call->sinks[h * call->sink_head + row * call->sink_row] : -INFINITY;
+            maximum = sink > maximum ? sink : maximum;
+            float total = sink == -INFINITY ? 0.f : exp_nonpositive(sink - maximum);
             for (int64_t part = 0; part < chunks; part++) {
                 const float *sums = own + part * piece_floats;
-                const float weight = exp_nonpositive(sums[rows * HEAD_DIM + row] - maximum);
-                total += weight * sums[rows * (HEAD_DIM + 1) + row];
-                for (int d = 0; d < HEAD_DIM; d++) out[d] += weight * sums[row * HEAD_DIM + d];
+                const float weight = exp_nonpositive(sums[rows * VALUE_DIM + row] - maximum);
+                total += weight * sums[rows * (VALUE_DIM + 1) + row];
+                for (int d = 0; d < VALUE_DIM; d++) out[d] += weight * sums[row * VALUE_DIM + d];
             }
-            for (int d = 0; d < HEAD_DIM; d++) out[d] /= total;
+            for (int d = 0; d < VALUE_DIM; d++) out[d] /= total;
         }
     }
     free(first);
@@ -263,13 +274,15 @@ static int attend(const Call *call) {
 
 /* query [batch, heads, rows, HEAD_DIM], key and value [batch, heads, length, HEAD_DIM], the mask (additive or
  * boolean, or both NULL) broadcast to [batch, heads, rows, length]: each given by its strides in elements, the head
- * size contiguous. output: a contiguous [batch, heads, rows, HEAD_DIM]. Returns 0, or 1 when out of memory. */
+ * size contiguous; value's head size VALUE_DIM. sinks: NULL, or a logit per (head, row) by its strides. output: a
+ * contiguous [batch, heads, rows, VALUE_DIM]. Returns 0, or 1 when out of memory. */
 int decode_attention(const float *query, int64_t query_batch, int64_t query_head, int64_t query_row,
                      const cache_t *key, int64_t key_batch, int64_t key_head, int64_t key_token,
                      const cache_t *value, int64_t value_batch, int64_t value_head, int64_t value_token,
                      const float *additive, const uint8_t *allowed, int64_t mask_batch, int64_t mask_head,
-                     int64_t mask_row, int64_t mask_token, float *output, int64_t batch, int64_t heads, int64_t rows,
-                     int64_t length, float scale, int64_t chunk, int threads) {
+                     int64_t mask_row, int64_t mask_token, const float *sinks, int64_t sink_head, int64_t sink_row,
+                     float *output, int64_t batch, int64_t heads, int64_t rows, int64_t length, float scale,
+                     int64_t chunk, int threads) {
     const Call call = {
         .query = query, .query_sequence = query_batch, .query_head = query_head, .query_row = query_row,
         .key = key, .key_sequence = key_batch, .key_head = key_head, .key_token = key_token,
@@ -277,6 +290,7 @@ int decode_attention(const float *query, int64_t query_batch, int64_t query_head
         .length = length,
         .additive = additive, .allowed = allowed,
         .mask_sequence = mask_batch, .mask_head = mask_head, .mask_row = mask_row, .mask_token = mask_token,
+        .sinks = sinks, .sink_head = sink_head, .sink_row = sink_row,
         .output = output, .sequences = batch, .heads = heads, .rows = rows, .group = rows, .chunk = chunk,
         .scale = scale, .threads = threads,
     };
@@ -287,18 +301,19 @@ int decode_attention(const float *query, int64_t query_batch, int64_t query_head
  * value_slot apart, heads *_head apart); sequence s's tokens at slots[starts[s]], ..., slots[starts[s] + lengths[s]
  * - 1]. query [sequences, heads, HEAD_DIM] by its strides, one row per head, query head j attending with key/value
  * head j / (heads / kv_heads); output a contiguous [sequences, heads, HEAD_DIM]. No mask: every row attends to all
- * its sequence's tokens. Each piece reads all the heads of its tokens, which lie side by side. Returns 0, 1 when
+ * its sequence's tokens; sinks: NULL, or one logit per query head. Each piece reads all the heads of its tokens. Returns 0, 1 when
  * out of memory, or 2 when a slot lies outside the views. */
 int paged_decode_attention(const float *query, int64_t query_sequence, int64_t query_head, const cache_t *key,
                            int64_t key_slot, int64_t key_head, const cache_t *value, int64_t value_slot,
                            int64_t value_head, int64_t slot_count, const int64_t *slots, const int64_t *starts,
-                           const int64_t *lengths, float *output, int64_t sequences, int64_t heads, int64_t kv_heads,
-                           float scale, int64_t chunk, int threads) {
+                           const int64_t *lengths, const float *sinks, float *output, int64_t sequences,
+                           int64_t heads, int64_t kv_heads, float scale, int64_t chunk, int threads) {
     const Call call = {
         .query = query, .query_sequence = query_sequence, .query_row = query_head,
         .key = key, .key_head = key_head, .key_token = key_slot,
         .value = value, .value_head = value_head, .value_token = value_slot,
         .slots = slots, .starts = starts, .lengths = lengths, .slot_count = slot_count,
+        .sinks = sinks, .sink_head = 0, .sink_row = 1,
         .output = output, .sequences = sequences, .heads = 1, .rows = heads, .group = heads / kv_heads,
         .chunk = chunk, .scale = scale, .threads = threads,
     };

@@ -55,6 +55,7 @@ def cpu_decode_applies(
     *,
     is_causal: bool,
     dropout_p: float,
+    sinks: torch.Tensor | None = None,
 ) -> bool:
     """Whether this call runs on the decode kernel: an eager float32 or bfloat16 call on CPU without gradients, a
     few query rows per head (the caller stacks a decode step's query group as rows), equal head counts and sizes,
@@ -74,8 +75,8 @@ def cpu_decode_applies(
         or dropout_p
         or query.shape[2] > MAX_QUERY_ROWS
         or len({query.shape[1], key.shape[1], value.shape[1]}) > 1
-        or len({query.shape[-1], key.shape[-1], value.shape[-1]}) > 1
-        or query.shape[-1] > MAX_HEAD_DIM
+        or query.shape[-1] != key.shape[-1]  # values may be of another size (latent attention)
+        or max(query.shape[-1], value.shape[-1]) > MAX_HEAD_DIM
         or query.shape[0] != key.shape[0]
         or key.shape[:3] != value.shape[:3]
         or any(tensor.stride(-1) != 1 for tensor in (query, key, value))
@@ -85,20 +86,33 @@ def cpu_decode_applies(
         return False
     if torch.is_grad_enabled() and any(tensor.requires_grad for tensor in (query, key, value)):
         return False
+    if sinks is not None and not _sinks_fit(sinks, query.shape[1], query.shape[2]):
+        return False
     if attn_mask is not None and (
         type(attn_mask) is not torch.Tensor
         or not (attn_mask.dtype == torch.bool or attn_mask.is_floating_point())
         or not _mask_fits(attn_mask, (*query.shape[:3], key.shape[2]))
     ):
         return False  # PyTorch's kernel then says what is wrong with it
-    return kernel_ready(query.shape[-1], query.dtype)
+    return kernel_ready(query.shape[-1], value.shape[-1], query.dtype)
+
+
+def _sinks_fit(sinks: torch.Tensor, heads: int, rows: int) -> bool:
+    """One logit per head (`[H]`), or per head and row (`[H, rows]`: a decode step's query group as rows), no
+    gradient asked for: the kernel's arithmetic has no backward."""
+    return (type(sinks) is torch.Tensor or torch.compiler.is_compiling() or torch.compiler.is_exporting()) and (
+        sinks.is_floating_point()
+        and sinks.device.type == "cpu"
+        and tuple(sinks.shape) in ((heads,), (heads, rows))
+        and not (torch.is_grad_enabled() and sinks.requires_grad)
+    )
 
 
 @torch._dynamo.assume_constant_result
-def kernel_ready(head_dim: int, dtype: torch.dtype) -> bool:
-    """Whether the kernel is on and built for this head size and dtype: decided on the host (building it the first
+def kernel_ready(head_dim: int, value_dim: int, dtype: torch.dtype) -> bool:
+    """Whether the kernel is on and built for these head sizes and dtype: decided on the host (building it the first
     time), a constant to a compiled graph."""
-    return turned_on() and decode_kernel(head_dim, dtype) is not None
+    return turned_on() and decode_kernel(head_dim, dtype, value_dim) is not None
 
 
 def decode_kernel_expected(dtype: torch.dtype) -> bool:
@@ -135,25 +149,53 @@ def cpu_decode_sdpa(
     attn_mask: torch.Tensor | None,
     *,
     scale: float,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Attention of a few query rows `[B, H, q, D]` over `[B, H, L, D]` on the decode kernel (`cpu_decode_applies`
-    has said yes). `attn_mask`: boolean (True = attend) or additive, broadcastable to `[B, H, q, L]`. Runs as the
-    operator `optimum_habana::cpu_decode_attention`: the profiler names it, torch.compile and torch.export keep it."""
-    return torch.ops.optimum_habana.cpu_decode_attention(query, key, value, attn_mask, scale)
+    """Attention of a few query rows `[B, H, q, D]` over keys `[B, H, L, D]` and values `[B, H, L, Dv]` on the decode
+    kernel (`cpu_decode_applies` has said yes). `attn_mask`: boolean (True = attend) or additive, broadcastable to
+    `[B, H, q, L]`; `sinks`: one logit per head `[H]` or per head and row `[H, q]`, joining each row's softmax. Runs
+    as the operator `optimum_habana::cpu_decode_attention`: the profiler names it, torch.compile and torch.export
+    keep it."""
+    return torch.ops.optimum_habana.cpu_decode_attention(query, key, value, attn_mask, scale, sinks)
 
 
 @torch.library.custom_op("optimum_habana::cpu_decode_attention", mutates_args=())
 def _decode_attention_operator(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None, scale: float
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    scale: float,
+    sinks: torch.Tensor | None,
 ) -> torch.Tensor:
     if not _kernel_takes(query, key, value):  # a compiled graph may hand the operator other strides than eager code
-        return torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, scale=scale)
-    return _decode_attention(query, key, value, attn_mask, scale=scale)
+        return _reference_attention(query, key, value, attn_mask, scale, sinks)
+    return _decode_attention(query, key, value, attn_mask, scale=scale, sinks=sinks)
 
 
 @_decode_attention_operator.register_fake
-def _(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None, scale: float):
-    return query.new_empty(query.shape)
+def _(query, key, value, attn_mask, scale, sinks):
+    return query.new_empty(*query.shape[:3], value.shape[-1])
+
+
+def _reference_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    scale: float,
+    sinks: torch.Tensor | None,
+) -> torch.Tensor:
+    """The attention written out in float32 (a softmax of the scaled scores, sinks as one more column of zero
+    value): what the kernel computes, for the library's check and for operands the kernel cannot read."""
+    scores = query.float() @ key.float().transpose(-1, -2) * scale
+    if attn_mask is not None:
+        scores = scores.masked_fill(~attn_mask, -torch.inf) if attn_mask.dtype == torch.bool else scores + attn_mask
+    if sinks is not None:
+        column = sinks.float().reshape(1, scores.shape[1], -1, 1).expand(*scores.shape[:3], 1)
+        scores = torch.cat([scores, column], dim=-1)
+    weights = torch.softmax(scores, dim=-1).nan_to_num(0.0)[..., : key.shape[2]]
+    return (weights @ value.float()).to(query.dtype)
 
 
 def _kernel_takes(*tensors: torch.Tensor) -> bool:
@@ -167,9 +209,11 @@ def _decode_attention(
     attn_mask: torch.Tensor | None,
     *,
     scale: float,
+    sinks: torch.Tensor | None = None,
     kernel: ctypes.CDLL | None = None,
 ) -> torch.Tensor:
     batch, heads, rows, head_dim = query.shape
+    value_dim = value.shape[-1]
     length = key.shape[2]
     rows_dtype, query = query.dtype, query.float()  # a few rows: the kernel's arithmetic is float32
     additive = allowed = None
@@ -182,16 +226,20 @@ def _decode_attention(
             attn_mask = attn_mask.to(torch.float32)  # a view where it is float32 already, as the flag's masks are
             additive = attn_mask.data_ptr()
         mask_strides = attn_mask.stride()
-    output = torch.empty(batch, heads, rows, head_dim)
+    sink_pointer, sink_strides = None, (0, 0)
+    if sinks is not None:
+        sinks = sinks.float().reshape(heads, -1).expand(heads, rows)  # per head, or per head and row
+        sink_pointer, sink_strides = sinks.data_ptr(), sinks.stride()
+    output = torch.empty(batch, heads, rows, value_dim)
     threads = torch.get_num_threads()
     pieces_per_head = -(-2 * threads // (batch * heads))
     chunk = min(CHUNK_MAX, max(CHUNK_MIN, -(-length // pieces_per_head)))
-    kernel = kernel or decode_kernel(head_dim, key.dtype)
+    kernel = kernel or decode_kernel(head_dim, key.dtype, value_dim)
     failed = kernel.decode_attention(
         query.data_ptr(), *query.stride()[:3],
         key.data_ptr(), *key.stride()[:3],
         value.data_ptr(), *value.stride()[:3],
-        additive, allowed, *mask_strides,
+        additive, allowed, *mask_strides, sink_pointer, *sink_strides,
         output.data_ptr(), batch, heads, rows, length, scale, chunk, threads,
     )  # fmt: skip
     if failed:
@@ -284,7 +332,7 @@ def _paged_decode_attention(
         query.data_ptr(), *query.stride()[:2],
         keys.data_ptr(), *keys.stride()[:2],
         values.data_ptr(), *values.stride()[:2],
-        slot_count, slots.data_ptr(), bounds[0].data_ptr(), bounds[1].data_ptr(),
+        slot_count, slots.data_ptr(), bounds[0].data_ptr(), bounds[1].data_ptr(), None,
         output.data_ptr(), sequences, heads, kv_heads, scale, PAGED_CHUNK, threads,
     )  # fmt: skip
     if failed == 2:
@@ -295,11 +343,14 @@ def _paged_decode_attention(
 
 
 @functools.cache
-def decode_kernel(head_dim: int, dtype: torch.dtype = torch.float32) -> ctypes.CDLL | None:
+def decode_kernel(
+    head_dim: int, dtype: torch.dtype = torch.float32, value_dim: int | None = None
+) -> ctypes.CDLL | None:
     """The kernel's library for this head size and cache dtype (`decode_attention`, `paged_decode_attention`): built
     or loaded from the cache folder, and checked against PyTorch's attention before first use
     (`cpu_decode_library.py`); None, after one warning, where no good library can be had here."""
-    kernel, problem = load_library(head_dim, dtype, CACHE_DTYPES[dtype], agrees_with_pytorch)
+    value_dim = head_dim if value_dim is None else value_dim
+    kernel, problem = load_library(head_dim, value_dim, dtype, CACHE_DTYPES[dtype], agrees_with_pytorch)
     if problem is not None:
         warnings.warn(
             f"The CPU decode kernel cannot run here ({problem}): decode steps run on PyTorch's flash kernel, "
@@ -310,27 +361,29 @@ def decode_kernel(head_dim: int, dtype: torch.dtype = torch.float32) -> ctypes.C
     return kernel
 
 
-def agrees_with_pytorch(kernel: ctypes.CDLL, head_dim: int, dtype: torch.dtype) -> bool:
-    """Whether a freshly loaded library gives the attention's own arithmetic on a small input, through both entries: a library
-    that loads but was miscompiled (or built for another CPU) must never serve a decode step."""
+def agrees_with_pytorch(kernel: ctypes.CDLL, head_dim: int, value_dim: int, dtype: torch.dtype) -> bool:
+    """Whether a freshly loaded library gives the attention's own arithmetic (`_reference_attention`) on a small
+    input, through both entries, sinks included: a library that loads but was miscompiled (or built for another CPU)
+    must never serve a decode step."""
     generator = torch.Generator().manual_seed(0)
-    query, key, value = (
-        torch.randn(2, 2, length, head_dim, generator=generator).to(dtype) for length in (3, 300, 300)
-    )
+    query, key = (torch.randn(2, 2, length, head_dim, generator=generator).to(dtype) for length in (3, 300))
+    value = torch.randn(2, 2, 300, value_dim, generator=generator).to(dtype)
+    sinks = torch.randn(2, generator=generator)
     query = query.float()  # the rows as the kernel computes them: float32 from the dtype's values
     scale = head_dim**-0.5
-    # The reference written out (a softmax of the scaled scores): the check reads no other kernel of its own.
-    expected = torch.softmax(query @ key.float().transpose(-1, -2) * scale, dim=-1) @ value.float()
-    dense = _decode_attention(query.to(dtype), key, value, None, scale=scale, kernel=kernel).float()
-    pages = (tensor[0].transpose(0, 1) for tensor in (key, value))  # one sequence's tokens as slots
-    rows = query[0, :, :1].transpose(0, 1).to(dtype)  # its first query row per head
-    slots = torch.arange(300)
-    paged = _paged_decode_attention(rows, *pages, slots, [0], [300], scale=scale, kernel=kernel).float()
+    expected = _reference_attention(query, key, value, None, scale, sinks).float()
+    dense = _decode_attention(query.to(dtype), key, value, None, scale=scale, sinks=sinks, kernel=kernel).float()
     tolerance = 1e-4 if dtype == torch.float32 else 1e-2  # bfloat16: the output's one rounding
-    return bool(
-        torch.allclose(dense, expected, rtol=tolerance, atol=tolerance)
-        and torch.allclose(paged, expected[0, :, :1].transpose(0, 1), rtol=tolerance, atol=tolerance)
-    )
+    agrees = torch.allclose(dense, expected, rtol=tolerance, atol=tolerance)
+    if value_dim == head_dim:  # the paged entry serves caches of one head size
+        pages = (tensor[0].transpose(0, 1) for tensor in (key, value))  # one sequence's tokens as slots
+        rows = query[0, :, :1].transpose(0, 1).to(dtype)  # its first query row per head
+        plain = _reference_attention(query, key, value, None, scale, None).float()
+        paged = _paged_decode_attention(rows, *pages, torch.arange(300), [0], [300], scale=scale, kernel=kernel)
+        agrees = agrees and torch.allclose(
+            paged.float(), plain[0, :, :1].transpose(0, 1), rtol=tolerance, atol=tolerance
+        )
+    return bool(agrees)
 
 
 __all__ = [

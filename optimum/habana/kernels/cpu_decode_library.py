@@ -38,16 +38,20 @@ CPU_FIELDS = ("model name", "flags", "Features", "CPU implementer", "CPU archite
 
 
 def load_library(
-    head_dim: int, dtype: torch.dtype, dtype_flag: str, agrees: Callable[[ctypes.CDLL, int, torch.dtype], bool]
+    head_dim: int,
+    value_dim: int,
+    dtype: torch.dtype,
+    dtype_flag: str,
+    agrees: Callable[[ctypes.CDLL, int, int, torch.dtype], bool],
 ) -> tuple[ctypes.CDLL | None, str | None]:
-    """(the library, None), or (None, why no good one can be had here). `agrees(library, head_dim, dtype)` is the
-    check against PyTorch's attention that a loaded library must pass."""
+    """(the library, None), or (None, why no good one can be had here). `agrees(library, head_dim, value_dim, dtype)`
+    is the check against the attention's own arithmetic that a loaded library must pass."""
     problem = environment_problem()
     if problem is not None:
         return None, problem
     for attempt in ("cached", "rebuilt"):
         try:
-            path, temporary = built_library(head_dim, dtype, dtype_flag, rebuild=attempt == "rebuilt")
+            path, temporary = built_library(head_dim, value_dim, dtype, dtype_flag, rebuild=attempt == "rebuilt")
         except (OSError, subprocess.CalledProcessError) as error:
             details = (getattr(error, "stderr", "") or str(error)).strip().splitlines() or ["no output"]
             return None, f"building it for {dtype} heads of {head_dim} failed: {details[-1]}"
@@ -59,7 +63,7 @@ def load_library(
         finally:
             if temporary:
                 shutil.rmtree(path.parent, ignore_errors=True)  # loaded (or not): nothing left behind
-        if agrees(library, head_dim, dtype):
+        if agrees(library, head_dim, value_dim, dtype):
             return library, None
         problem = (
             f"its library for {dtype} heads of {head_dim}, built here, gives other results than PyTorch's attention "
@@ -75,13 +79,13 @@ def _declared(library: ctypes.CDLL) -> ctypes.CDLL:
         pointer, integer, integer, integer,
         pointer, integer, integer, integer,
         pointer, integer, integer, integer,
-        pointer, pointer, integer, integer, integer, integer,
+        pointer, pointer, integer, integer, integer, integer, pointer, integer, integer,
         pointer, integer, integer, integer, integer, ctypes.c_float, integer, ctypes.c_int,
     ]  # fmt: skip
     paged.argtypes = [
         pointer, integer, integer,
         pointer, integer, integer, pointer, integer, integer,
-        integer, pointer, pointer, pointer,
+        integer, pointer, pointer, pointer, pointer,
         pointer, integer, integer, integer, ctypes.c_float, integer, ctypes.c_int,
     ]  # fmt: skip
     dense.restype = paged.restype = ctypes.c_int
@@ -116,16 +120,19 @@ def openmp_library() -> Path | None:
     return None
 
 
-def built_library(head_dim: int, dtype: torch.dtype, dtype_flag: str, rebuild: bool = False) -> tuple[Path, bool]:
+def built_library(
+    head_dim: int, value_dim: int, dtype: torch.dtype, dtype_flag: str, rebuild: bool = False
+) -> tuple[Path, bool]:
     """(the library's path, whether it lies in a temporary folder of this process). A cached library is used where
     its bytes match its record; otherwise (or with `rebuild`) it is compiled again."""
     cc, openmp = compiler(), openmp_library()
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True).stdout
     fingerprint = hashlib.sha256(SOURCE.read_bytes())
-    flags = [*FLAGS, f"-DHEAD_DIM={head_dim}", dtype_flag]
+    flags = [*FLAGS, f"-DHEAD_DIM={head_dim}", f"-DVALUE_DIM={value_dim}", dtype_flag]
     for part in (*flags, cc, version, str(openmp), cpu_identity()):
         fingerprint.update(part.encode())
-    name = f"cpu_decode_{str(dtype).removeprefix('torch.')}_d{head_dim}_{fingerprint.hexdigest()[:16]}.so"
+    values = "" if value_dim == head_dim else f"_v{value_dim}"
+    name = f"cpu_decode_{str(dtype).removeprefix('torch.')}_d{head_dim}{values}_{fingerprint.hexdigest()[:16]}.so"
     folder = cache_root() / "kernels"
     if not rebuild and _matches_record(folder / name):
         return folder / name, False

@@ -63,7 +63,10 @@ def fused_sdpa(
     if valid_sequence_lengths is not None and (attn_mask is not None or not is_causal):
         raise ValueError("valid_sequence_lengths requires is_causal=True and no attn_mask")
     scale = query.shape[-1] ** -0.5 if scale is None else scale  # explicit: the calls below may widen the heads
-    if sinks is not None and not kernel_takes_sinks(query, key, sinks):
+    decode_kernel_sinks = sinks is not None and decode_kernel_takes_sinks(
+        query, key, value, attn_mask, is_causal=is_causal, dropout_p=dropout_p, sinks=sinks
+    )
+    if sinks is not None and not kernel_takes_sinks(query, key, sinks) and not decode_kernel_sinks:
         if valid_sequence_lengths is not None:
             raise ValueError("sinks with valid_sequence_lengths need a kernel that takes the sinks")
         query, key, value, attn_mask, dropped_rows = with_sink_key(
@@ -74,12 +77,27 @@ def fused_sdpa(
             dropout_p=dropout_p, softmax_mode=softmax_mode, recompute=recompute,
         )  # fmt: skip
         return output[:, :, dropped_rows:]
-    if query.shape[2] == 1 and not is_causal and query.shape[1] != key.shape[1] and sinks is None:
+    if (
+        query.shape[2] == 1
+        and not is_causal
+        and query.shape[1] != key.shape[1]
+        and (sinks is None or decode_kernel_sinks)
+    ):
         # A decode step: the query group as rows of its key/value head, each cached key and value read once.
         rows, rows_mask = query_groups_as_rows(query, key.shape[1], attn_mask)
+        rows_sinks = None if sinks is None else sinks.reshape(key.shape[1], -1)  # per head: per row of its group
         options = {"scale": scale, "dropout_p": dropout_p, "softmax_mode": softmax_mode, "recompute": recompute}
-        output = fused_sdpa(rows, key, value, rows_mask, is_causal=False, **options)
+        output = fused_sdpa(rows, key, value, rows_mask, is_causal=False, sinks=rows_sinks, **options)
         return output.view(*query.shape[:3], output.shape[-1])
+    if decode_kernel_sinks or (
+        value.shape[-1] != query.shape[-1]
+        and not on_hpu(query)
+        and cpu_decode_applies(query, key, value, attn_mask, is_causal=is_causal, dropout_p=dropout_p)
+    ):
+        # A decode step on CPU with sinks, or with latent attention's values of another size: the decode kernel takes
+        # both as they are (the sinks join each row's softmax, the weighted sum runs over the values' own width),
+        # where padding the keys with a sink column or the values to the query's size would copy the whole cache.
+        return cpu_decode_sdpa(query, key, value, attn_mask, scale=scale, sinks=sinks)
     if value.shape[-1] != query.shape[-1] and query.shape[2] == 1 and not on_hpu(query):
         # A decode step of latent attention: one row of scores per head, whatever the kernel. PyTorch's own choice
         # takes the unequal sizes as they are (its math kernel on CPU), where padding the value would copy the
@@ -129,6 +147,28 @@ def fused_sdpa(
     if splits > 1:  # one sequence's decode step on CPU: its context in pieces, so that every thread reads a share
         return split_context_sdpa(query, key, value, attn_mask, scale=scale, splits=splits)
     return _torch_fused_sdpa(query, key, value, attn_mask, is_causal=is_causal, scale=scale, dropout_p=dropout_p)
+
+
+def decode_kernel_takes_sinks(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    *,
+    is_causal: bool,
+    dropout_p: float,
+    sinks: torch.Tensor,
+) -> bool:
+    """Whether the CPU decode kernel takes this decode step with its sinks as they are (one logit per head; per row
+    of its key/value head where the query group is stacked): no sink column is then added to the keys."""
+    if is_causal or on_hpu(query):
+        return False
+    if query.shape[1] != key.shape[1]:
+        if sinks.dim() != 1 or query.shape[2] != 1:
+            return False
+        query, attn_mask = query_groups_as_rows(query, key.shape[1], attn_mask)
+        sinks = sinks.reshape(key.shape[1], -1)
+    return cpu_decode_applies(query, key, value, attn_mask, is_causal=False, dropout_p=dropout_p, sinks=sinks)
 
 
 def kernel_takes_sinks(query: torch.Tensor, key: torch.Tensor, sinks: torch.Tensor) -> bool:

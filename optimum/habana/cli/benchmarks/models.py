@@ -60,6 +60,9 @@ DEEPSEEK_V2_LITE = {
     "first_k_dense_replace": 1,
 }
 
+# DeepSeek-V3's latent attention: 128 heads, queries from a 1536-wide latent, the same head sizes as V2-Lite.
+DEEPSEEK_V3 = {**DEEPSEEK_V2_LITE, "q_lora_rank": 1536, "n_group": 1, "topk_group": 1}
+
 PRESETS = {
     "llama2-7b-attn": Preset("Llama-2-7B", 4096, 32, 32, 10000.0),
     "llama3-8b-attn": Preset("Llama-3-8B", 4096, 32, 8, 500000.0),
@@ -68,6 +71,7 @@ PRESETS = {
     "gemma-2b-attn": Preset("Gemma-2B", 2048, 8, 1, 10000.0, "gemma", 256),
     "gemma3-4b-attn": Preset("Gemma-3-4B", 2560, 8, 4, 1000000.0, "gemma3_text", 256, GEMMA3_4B),
     "deepseek-v2-lite-attn": Preset("DeepSeek-V2-Lite", 2048, 16, 16, 10000.0, "deepseek_v2", 64, DEEPSEEK_V2_LITE),
+    "deepseek-v3-attn": Preset("DeepSeek-V3", 7168, 128, 128, 10000.0, "deepseek_v3", 64, DEEPSEEK_V3),
 }
 
 
