@@ -19,6 +19,7 @@ tokens at the slots the engine's read index names, for every sequence's decode r
 (`transformers/paged_attention.py`).
 """
 
+import contextlib
 import ctypes
 import functools
 import os
@@ -64,7 +65,7 @@ def cpu_decode_applies(
     cache of another length, a mask of another shape or dtype) is left to PyTorch's kernel, which raises."""
     # torch.compile and torch.export record the operator in their graph (its fake implementation gives the shape);
     # torch.jit.trace and FX cannot see its C call (its output would be recorded as a constant).
-    into_graph = torch.compiler.is_compiling() or torch.compiler.is_exporting()
+    into_graph = _into_graph()
     if (
         (not into_graph and any(type(tensor) is not torch.Tensor for tensor in (query, key, value)))  # no memory
         or query.device.type != "cpu"
@@ -156,7 +157,24 @@ def cpu_decode_sdpa(
     `[B, H, q, L]`; `sinks`: one logit per head `[H]` or per head and row `[H, q]`, joining each row's softmax. Runs
     as the operator `optimum_habana::cpu_decode_attention`: the profiler names it, torch.compile and torch.export
     keep it."""
-    return torch.ops.optimum_habana.cpu_decode_attention(query, key, value, attn_mask, scale, sinks)
+    if _into_graph():
+        return torch.ops.optimum_habana.cpu_decode_attention(query, key, value, attn_mask, scale, sinks)
+    with _named_for_the_profiler("optimum_habana::cpu_decode_attention"):
+        return _decode_attention(query, key, value, attn_mask, scale=scale, sinks=sinks)
+
+
+def _into_graph() -> bool:
+    return torch.compiler.is_compiling() or torch.compiler.is_exporting()
+
+
+def _named_for_the_profiler(name: str) -> contextlib.AbstractContextManager:
+    """The operator's name on the profiler's timeline. Eager calls run the kernel without the dispatcher's round
+    trip through the registered operator (tens of microseconds a call, a layer's whole attention on a small model)."""
+    return (
+        torch.profiler.record_function(name)
+        if torch.autograd.profiler._is_profiler_enabled
+        else contextlib.nullcontext()
+    )
 
 
 @torch.library.custom_op("optimum_habana::cpu_decode_attention", mutates_args=())
@@ -284,7 +302,10 @@ def paged_decode_sdpa(
     the views `keys`, `values` `[slots, Hkv, D]`, sequence s's tokens at `slots[starts[s]:starts[s] + lengths[s]]`
     (int64). Every row attends to all its sequence's tokens (a decode step's). Returns `[S, H, D]`. A slot outside
     the views is an error, never a read. Runs as the operator `optimum_habana::paged_decode_attention`."""
-    return torch.ops.optimum_habana.paged_decode_attention(query, keys, values, slots, starts, lengths, scale)
+    if _into_graph():
+        return torch.ops.optimum_habana.paged_decode_attention(query, keys, values, slots, starts, lengths, scale)
+    with _named_for_the_profiler("optimum_habana::paged_decode_attention"):
+        return _paged_decode_attention(query, keys, values, slots, starts, lengths, scale=scale)
 
 
 @torch.library.custom_op("optimum_habana::paged_decode_attention", mutates_args=())
@@ -350,7 +371,9 @@ def decode_kernel(
     or loaded from the cache folder, and checked against PyTorch's attention before first use
     (`cpu_decode_library.py`); None, after one warning, where no good library can be had here."""
     value_dim = head_dim if value_dim is None else value_dim
-    kernel, problem = load_library(head_dim, value_dim, dtype, CACHE_DTYPES[dtype], agrees_with_pytorch)
+    # Outside any dispatch mode or profiler of the caller's: the check's small attention is no operation of theirs.
+    with torch.utils._python_dispatch._disable_current_modes():
+        kernel, problem = load_library(head_dim, value_dim, dtype, CACHE_DTYPES[dtype], agrees_with_pytorch)
     if problem is not None:
         warnings.warn(
             f"The CPU decode kernel cannot run here ({problem}): decode steps run on PyTorch's flash kernel, "
