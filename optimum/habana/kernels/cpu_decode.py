@@ -101,7 +101,7 @@ def cpu_decode_applies(
 def _sinks_fit(sinks: torch.Tensor, heads: int, rows: int) -> bool:
     """One logit per head (`[H]`), or per head and row (`[H, rows]`: a decode step's query group as rows), no
     gradient asked for: the kernel's arithmetic has no backward."""
-    return (type(sinks) is torch.Tensor or torch.compiler.is_compiling() or torch.compiler.is_exporting()) and (
+    return (type(sinks) is torch.Tensor or _into_graph()) and (
         sinks.is_floating_point()
         and sinks.device.type == "cpu"
         and tuple(sinks.shape) in ((heads,), (heads, rows))
@@ -285,7 +285,7 @@ def paged_decode_applies(query: torch.Tensor, pages: torch.Tensor) -> bool:
         return False
     if torch.is_grad_enabled() and query.requires_grad:
         return False
-    return turned_on() and decode_kernel(query.shape[-1], query.dtype) is not None
+    return kernel_ready(query.shape[-1], query.shape[-1], query.dtype)
 
 
 def paged_decode_sdpa(
@@ -368,8 +368,8 @@ def decode_kernel(
     head_dim: int, dtype: torch.dtype = torch.float32, value_dim: int | None = None
 ) -> ctypes.CDLL | None:
     """The kernel's library for this head size and cache dtype (`decode_attention`, `paged_decode_attention`): built
-    or loaded from the cache folder, and checked against PyTorch's attention before first use
-    (`cpu_decode_library.py`); None, after one warning, where no good library can be had here."""
+    or loaded from the cache folder, and checked against the attention written out (`agrees_with_pytorch`) before
+    first use (`cpu_decode_library.py`); None, after one warning, where no good library can be had here."""
     value_dim = head_dim if value_dim is None else value_dim
     # Outside any dispatch mode or profiler of the caller's: the check's small attention is no operation of theirs.
     with torch.utils._python_dispatch._disable_current_modes():

@@ -42,7 +42,7 @@ from transformers.generation.continuous_batching.requests import RequestState
 from .attention_flags import attention_flags_of
 from .batch_layout import padding_mask_is_all_it_needs
 from .families.cache_facts import computes_with_cached_states, writes_cache_at_own_index
-from .families.qualification import LATENT, family_report
+from .families.qualification import LATENT, attention_modules_of, family_report
 
 
 logger = logging.getLogger(__name__)
@@ -275,6 +275,7 @@ def check_engine_serves(model: Any) -> None:
     config = model.config
     name = type(model).__name__
     report = family_report(config.model_type)
+    attention_types = {type(module) for module in attention_modules_of(model)}
     if LATENT in report.variants:
         problem = "its latent attention keeps keys and values of other sizes than config.head_dim, which the paged cache holds"
     elif report.calls_per_attention > 1:
@@ -283,9 +284,7 @@ def check_engine_serves(model: Any) -> None:
             "values each time, and every call writes them into the engine's paged cache (stock transformers gives "
             "wrong tokens there)"
         )
-    elif computed := sorted(
-        {name for module in attention_modules(model, report) for name in computes_with_cached_states(type(module))}
-    ):
+    elif computed := sorted({name for kind in attention_types for name in computes_with_cached_states(kind)}):
         problem = (
             f"its attention computes with the cached {' and '.join(computed)} outside the attention function (a "
             "repeat of the key/value heads, a mask made from the values), and in the engine the attention function "
@@ -295,7 +294,7 @@ def check_engine_serves(model: Any) -> None:
         problem = f"its layers of kind {', '.join(other)} have no paged cache (only full and sliding-window attention)"
     elif getattr(config, "is_heterogeneous", False):
         problem = "its head counts and sizes vary per layer, and the paged cache holds one geometry"
-    elif not all(writes_cache_at_own_index(type(module)) for module in attention_modules(model, report)):
+    elif not all(writes_cache_at_own_index(kind) for kind in attention_types):
         problem = (
             "its attention writes the cache at layers offset from its own index (a recurrent stack run several "
             "times per forward), which the engine's paged cache does not follow (stock transformers gives wrong "
@@ -306,12 +305,6 @@ def check_engine_serves(model: Any) -> None:
     raise ValueError(
         f"{name} cannot run in transformers' continuous batching: {problem}. Use generate() for this model."
     )
-
-
-def attention_modules(model: Any, report: Any) -> list[Any]:
-    """The model's modules of the family's attention classes."""
-    names = set(report.attention_classes)
-    return [module for module in model.modules() if type(module).__name__ in names]
 
 
 def init_manager(

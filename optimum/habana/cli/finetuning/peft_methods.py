@@ -31,7 +31,7 @@ from transformers import PreTrainedConfig, PreTrainedModel, TrainerCallback
 from transformers.pytorch_utils import Conv1D
 
 from optimum.habana.transformers.attention_flags import attention_flags_of
-from optimum.habana.transformers.families.qualification import family_report
+from optimum.habana.transformers.families.qualification import attention_modules_of
 
 from .errors import FineTuningError
 
@@ -202,11 +202,9 @@ def default_targets(peft_type: str, model: PreTrainedModel) -> tuple[list[str], 
 def attention_linears(model: PreTrainedModel) -> set[str]:
     """The linear layers inside the family's attention modules (latent attention's q_a_proj, kv_b_proj, ...): the
     attention projections of a family whose names the list above does not know."""
-    attention_classes = set(family_report(model.config.model_type).attention_classes)
     return {
         name
-        for module in model.modules()
-        if type(module).__name__ in attention_classes
+        for module in attention_modules_of(model)
         for name, child in module.named_children()
         if isinstance(child, torch.nn.Linear | Conv1D)
     }

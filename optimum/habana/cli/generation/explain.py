@@ -22,7 +22,7 @@ from optimum.habana.kernels.cpu_decode import decode_kernel_expected
 from optimum.habana.transformers.attention_flags import AttentionFlags
 from optimum.habana.transformers.batch_layout import local_layers_run_planned, padding_mask_is_all_it_needs
 from optimum.habana.transformers.cache import bucketed_length
-from optimum.habana.transformers.families.qualification import family_report
+from optimum.habana.transformers.families.qualification import attention_modules_of
 from optimum.habana.transformers.models import family_problem, gaudi_model_class
 from optimum.habana.utils.model_loading import (
     ModelResolutionError,
@@ -195,9 +195,7 @@ def attention_layer_groups(model: torch.nn.Module) -> list[LayerGroup]:
     """Each attention layer's window, soft-capping, scale and variant, read from the model built on the meta device
     (the modules of the family's attention classes, `FamilyReport.attention_classes`)."""
     by_settings: dict[tuple, list[int]] = {}
-    classes = set(family_report(model.config.model_type).attention_classes)
-    attention_modules = [module for module in model.modules() if type(module).__name__ in classes]
-    for index, module in enumerate(attention_modules):
+    for index, module in enumerate(attention_modules_of(model)):
         settings = (
             getattr(module, "sliding_window", None),
             getattr(module, "attn_logit_softcapping", None),

@@ -25,6 +25,7 @@ import importlib
 import logging
 import warnings
 from dataclasses import dataclass
+from typing import Any
 
 import transformers
 from transformers import CONFIG_MAPPING
@@ -382,6 +383,13 @@ def family_runs_mask_free(model_type: str) -> bool:
     return known
 
 
+def attention_modules_of(model: Any) -> list[Any]:
+    """The model's modules of its family's attention classes (`FamilyReport.attention_classes`): the ones the Gaudi
+    attention serves."""
+    classes = set(family_report(model.config.model_type).attention_classes)
+    return [module for module in model.modules() if type(module).__name__ in classes]
+
+
 def qualifying_model_types() -> tuple[str, ...]:
     return tuple(model_type for model_type in causal_lm_model_types() if family_report(model_type).qualifies)
 
@@ -390,6 +398,7 @@ __all__ = [
     "HONOURED_ARGUMENTS",
     "FUSED_PATHS",
     "FamilyReport",
+    "attention_modules_of",
     "causal_lm_model_types",
     "default_config",
     "family_report",
