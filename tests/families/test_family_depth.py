@@ -14,7 +14,7 @@ from transformers.generation.continuous_batching.cache import group_layers_by_at
 from transformers.generation.continuous_batching.cache_allocators import FULL_ATTENTION
 
 from optimum.habana import gaudi_model_class, supported_model_types
-from optimum.habana.kernels import cpu_decode, split_context
+from optimum.habana.kernels import cpu_decode, dispatch, split_context
 from optimum.habana.transformers import paged_attention
 from optimum.habana.transformers.batch_layout import can_run_packed, local_layers_run_planned
 from optimum.habana.transformers.continuous_batching import check_engine_serves
@@ -110,13 +110,24 @@ def test_decode_steps_on_the_cpu_decode_kernel_give_stock_tokens(model_type, mon
     if cpu_decode.environment_problem() is not None:
         pytest.skip(f"no decode kernel here: {cpu_decode.environment_problem()}")
     calls = count_decode_kernel_calls(monkeypatch)
+    decode_paths = []
+    decide = dispatch.kernel_path
+
+    def recorded(query, *args, **kwargs):
+        path = decide(query, *args, **kwargs)
+        if query.shape[2] == 1:
+            decode_paths.append(path)
+        return path
+
+    monkeypatch.setattr(dispatch, "kernel_path", recorded)
     ours, stock = family_pair(model_type)
     inputs = left_padded_batch(LENGTHS)
     reference = greedy(stock, inputs)
     assert_same_steps(greedy(ours, inputs, use_flash_attention=True), reference)
-    # sinks and latent attention's values of another size run on the kernel as they are; soft-capped logits take
-    # the default path
+    # sinks and latent attention's values of another size run on the kernel as they are, with no copy as long as the
+    # context (no sink key, no padded values); soft-capped logits take the default path
     assert calls or "soft-capped logits" in family_table()[model_type].variants
+    assert all(path.kernel == "cpu_decode" and not path.sink_key and not path.equal_widths for path in decode_paths)
 
 
 @pytest.mark.parametrize("model_type", FAMILY_TYPES)

@@ -4,6 +4,7 @@ results. `make test` runs each script on one of them and each of them through on
 under the `families` marker (`make test-families`)."""
 
 import pytest
+import torch
 
 from tests.families.support import save_family_checkpoint
 from tests.finetuning.support import TOLERANCE, build_tokenizer, run_script, script_args
@@ -86,21 +87,40 @@ def test_script_runs_the_family_fused(script, model_type, tmp_path):
 
 EXPLAINED = {
     "qwen3_next": ["other layers: 2 linear_attention: no softmax attention, the flag leaves them to the model"],
-    "deepseek_v3": ["latent attention: query/key heads of 24, value heads of 16, padded for the call"],
+    "deepseek_v3": ["latent attention: query/key heads of 24, value heads of 16"],
     "gpt_oss": [
-        "(sliding window of 8 tokens; attention sinks: one more key per row)",
-        "(attention sinks: one more key",
+        "(sliding window of 8 tokens; attention sinks: one more logit in each row's softmax)",
+        "(attention sinks: one more logit in each row's softmax)",
     ],
     "gemma4_text": ["this layer's geometry: 4 heads of 16", "this layer's geometry: 4 heads of 32"],
 }
 
 
 @pytest.mark.parametrize("model_type", VARIANT_FAMILIES)
-def test_explain_names_each_layers_variant(model_type, tmp_path):
+def test_explain_names_each_layers_variant_and_the_kernel_path_of_each_call(model_type, tmp_path, monkeypatch):
+    """--explain's account of a call is `fused_sdpa`'s own decision (`kernel_path`): every path a real run takes,
+    with its transforms, appears in the phase's lines."""
     from optimum.habana.cli.generation.explain import explain
+    from optimum.habana.kernels import dispatch
     from tests.generation.support import parse
 
     checkpoint = save_family_checkpoint(tmp_path, model_type, train_tiny_tokenizer(chat_template=True))
-    text = explain(parse(["--model_name_or_path", str(checkpoint), "--use_flash_attention", "--max_new_tokens", "4"]))
+    argv = ["--model_name_or_path", str(checkpoint), "--use_flash_attention", "--max_new_tokens", "4"]
+    text = explain(parse(argv))
     for words in EXPLAINED[model_type]:
         assert words in text
+    decided = []
+
+    def recorded(query, *args, **kwargs):
+        decided.append((query.shape[2], dispatch.KernelPath(*kernel_path(query, *args, **kwargs))))
+        return decided[-1][1]
+
+    kernel_path = dispatch.kernel_path
+    monkeypatch.setattr(dispatch, "kernel_path", recorded)
+    run_in_process(
+        load_script("examples/text-generation/run_generation.py"), [*argv, "--n_iterations", "1"], tmp_path / "run"
+    )
+    prefill, decode = text.split("Graphs:")[0].split("  decode")
+    assert decided
+    for q_len, path in decided:
+        assert f"fused kernel, {path.describe(torch.device('cpu'))}:" in (decode if q_len == 1 else prefill), path

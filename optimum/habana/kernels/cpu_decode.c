@@ -161,8 +161,9 @@ typedef struct {
     const float *additive;
     const uint8_t *allowed;
     int64_t mask_sequence, mask_head, mask_row, mask_token;
-    const float *sinks; /* or NULL: (head h, row r)'s logit at sinks[h * sink_head + r * sink_row] */
-    int64_t sink_head, sink_row;
+    const float *sinks; /* or NULL: (sequence s, head h, row r)'s logit at sinks[s * sink_sequence + h * sink_head +
+                         * r * sink_row] */
+    int64_t sink_sequence, sink_head, sink_row;
     float *output;
     int64_t sequences, heads, rows, group, chunk;
     float scale;
@@ -255,7 +256,9 @@ static int attend(const Call *call) {
             }
             memset(out, 0, sizeof(float) * VALUE_DIM);
             if (maximum == -INFINITY) continue; /* no key this row may attend to (a sink alone weighs a zero value) */
-            const float sink = call->sinks ? call->sinks[h * call->sink_head + row * call->sink_row] : -INFINITY;
+            const float sink =
+                call->sinks ? call->sinks[sequence * call->sink_sequence + h * call->sink_head + row * call->sink_row]
+                            : -INFINITY;
             maximum = sink > maximum ? sink : maximum;
             float total = sink == -INFINITY ? 0.f : exp_nonpositive(sink - maximum);
             for (int64_t part = 0; part < chunks; part++) {
@@ -274,13 +277,14 @@ static int attend(const Call *call) {
 
 /* query [batch, heads, rows, HEAD_DIM], key and value [batch, heads, length, HEAD_DIM], the mask (additive or
  * boolean, or both NULL) broadcast to [batch, heads, rows, length]: each given by its strides in elements, the head
- * size contiguous; value's head size VALUE_DIM. sinks: NULL, or a logit per (head, row) by its strides. output: a
- * contiguous [batch, heads, rows, VALUE_DIM]. Returns 0, or 1 when out of memory. */
+ * size contiguous; value's head size VALUE_DIM. sinks: NULL, or a logit per (sequence, head, row) by its strides.
+ * output: a contiguous [batch, heads, rows, VALUE_DIM]. Returns 0, or 1 when out of memory. */
 int decode_attention(const float *query, int64_t query_batch, int64_t query_head, int64_t query_row,
                      const cache_t *key, int64_t key_batch, int64_t key_head, int64_t key_token,
                      const cache_t *value, int64_t value_batch, int64_t value_head, int64_t value_token,
                      const float *additive, const uint8_t *allowed, int64_t mask_batch, int64_t mask_head,
-                     int64_t mask_row, int64_t mask_token, const float *sinks, int64_t sink_head, int64_t sink_row,
+                     int64_t mask_row, int64_t mask_token, const float *sinks, int64_t sink_batch, int64_t sink_head,
+                     int64_t sink_row,
                      float *output, int64_t batch, int64_t heads, int64_t rows, int64_t length, float scale,
                      int64_t chunk, int threads) {
     const Call call = {
@@ -290,7 +294,7 @@ int decode_attention(const float *query, int64_t query_batch, int64_t query_head
         .length = length,
         .additive = additive, .allowed = allowed,
         .mask_sequence = mask_batch, .mask_head = mask_head, .mask_row = mask_row, .mask_token = mask_token,
-        .sinks = sinks, .sink_head = sink_head, .sink_row = sink_row,
+        .sinks = sinks, .sink_sequence = sink_batch, .sink_head = sink_head, .sink_row = sink_row,
         .output = output, .sequences = batch, .heads = heads, .rows = rows, .group = rows, .chunk = chunk,
         .scale = scale, .threads = threads,
     };

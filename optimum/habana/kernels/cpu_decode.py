@@ -29,6 +29,7 @@ import torch
 from transformers.utils.import_utils import is_tracing
 
 from .cpu_decode_library import environment_problem, load_library
+from .sinks import sinks_per_row
 
 
 ENV_VAR = "OPTIMUM_HABANA_CPU_DECODE_KERNEL"
@@ -87,7 +88,7 @@ def cpu_decode_applies(
         return False
     if torch.is_grad_enabled() and any(tensor.requires_grad for tensor in (query, key, value)):
         return False
-    if sinks is not None and not _sinks_fit(sinks, query.shape[1], query.shape[2]):
+    if sinks is not None and not _sinks_fit(sinks, *query.shape[:3]):
         return False
     if attn_mask is not None and (
         type(attn_mask) is not torch.Tensor
@@ -98,13 +99,13 @@ def cpu_decode_applies(
     return kernel_ready(query.shape[-1], value.shape[-1], query.dtype)
 
 
-def _sinks_fit(sinks: torch.Tensor, heads: int, rows: int) -> bool:
-    """One logit per head (`[H]`), or per head and row (`[H, rows]`: a decode step's query group as rows), no
-    gradient asked for: the kernel's arithmetic has no backward."""
-    return (type(sinks) is torch.Tensor or _into_graph()) and (
+def _sinks_fit(sinks: torch.Tensor, batch: int, heads: int, rows: int) -> bool:
+    """One logit per head (`[H]`), per head and row (`[H, rows]`: a decode step's query group as rows), or per
+    sequence, head and row (`[B or 1, H, rows]`), no gradient asked for: the kernel's arithmetic has no backward."""
+    return (type(sinks) in (torch.Tensor, torch.nn.Parameter) or _into_graph()) and (
         sinks.is_floating_point()
         and sinks.device.type == "cpu"
-        and tuple(sinks.shape) in ((heads,), (heads, rows))
+        and tuple(sinks.shape) in ((heads,), (heads, rows), (batch, heads, rows), (1, heads, rows))
         and not (torch.is_grad_enabled() and sinks.requires_grad)
     )
 
@@ -154,7 +155,8 @@ def cpu_decode_sdpa(
 ) -> torch.Tensor:
     """Attention of a few query rows `[B, H, q, D]` over keys `[B, H, L, D]` and values `[B, H, L, Dv]` on the decode
     kernel (`cpu_decode_applies` has said yes). `attn_mask`: boolean (True = attend) or additive, broadcastable to
-    `[B, H, q, L]`; `sinks`: one logit per head `[H]` or per head and row `[H, q]`, joining each row's softmax. Runs
+    `[B, H, q, L]`; `sinks`: one logit per head `[H]`, per head and row `[H, q]` or per sequence, head and row
+    `[B or 1, H, q]`, joining each row's softmax. Runs
     as the operator `optimum_habana::cpu_decode_attention`: the profiler names it, torch.compile and torch.export
     keep it."""
     if _into_graph():
@@ -210,7 +212,7 @@ def _reference_attention(
     if attn_mask is not None:
         scores = scores.masked_fill(~attn_mask, -torch.inf) if attn_mask.dtype == torch.bool else scores + attn_mask
     if sinks is not None:
-        column = sinks.float().reshape(1, scores.shape[1], -1, 1).expand(*scores.shape[:3], 1)
+        column = sinks_per_row(sinks, *scores.shape[:3]).unsqueeze(-1)
         scores = torch.cat([scores, column], dim=-1)
     weights = torch.softmax(scores, dim=-1).nan_to_num(0.0)[..., : key.shape[2]]
     return (weights @ value.float()).to(query.dtype)
@@ -244,9 +246,9 @@ def _decode_attention(
             attn_mask = attn_mask.to(torch.float32)  # a view where it is float32 already, as the flag's masks are
             additive = attn_mask.data_ptr()
         mask_strides = attn_mask.stride()
-    sink_pointer, sink_strides = None, (0, 0)
+    sink_pointer, sink_strides = None, (0, 0, 0)
     if sinks is not None:
-        sinks = sinks.float().reshape(heads, -1).expand(heads, rows)  # per head, or per head and row
+        sinks = sinks_per_row(sinks, batch, heads, rows)
         sink_pointer, sink_strides = sinks.data_ptr(), sinks.stride()
     output = torch.empty(batch, heads, rows, value_dim)
     threads = torch.get_num_threads()
@@ -391,7 +393,7 @@ def agrees_with_pytorch(kernel: ctypes.CDLL, head_dim: int, value_dim: int, dtyp
     generator = torch.Generator().manual_seed(0)
     query, key = (torch.randn(2, 2, length, head_dim, generator=generator).to(dtype) for length in (3, 300))
     value = torch.randn(2, 2, 300, value_dim, generator=generator).to(dtype)
-    sinks = torch.randn(2, generator=generator)
+    sinks = torch.randn(2, 2, 3, generator=generator)  # per sequence, head and row: each of the kernel's strides
     query = query.float()  # the rows as the kernel computes them: float32 from the dtype's values
     scale = head_dim**-0.5
     expected = _reference_attention(query, key, value, None, scale, sinks).float()

@@ -79,7 +79,7 @@ def _declared(library: ctypes.CDLL) -> ctypes.CDLL:
         pointer, integer, integer, integer,
         pointer, integer, integer, integer,
         pointer, integer, integer, integer,
-        pointer, pointer, integer, integer, integer, integer, pointer, integer, integer,
+        pointer, pointer, integer, integer, integer, integer, pointer, integer, integer, integer,
         pointer, integer, integer, integer, integer, ctypes.c_float, integer, ctypes.c_int,
     ]  # fmt: skip
     paged.argtypes = [

@@ -8,7 +8,7 @@ do (the attention layer warns once and runs the default path).
 
 import functools
 import warnings
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -18,7 +18,7 @@ from transformers.utils.import_utils import is_tracing
 from ..hpu import HPUKernel, hpu_kernel, on_hpu
 from .cpu_decode import cpu_decode_applies, cpu_decode_sdpa
 from .decode import query_groups_as_rows
-from .sinks import with_sink_key
+from .sinks import SINK_COLUMNS, with_sink_key
 from .split_context import context_splits, split_context_sdpa
 
 
@@ -32,6 +32,98 @@ _OTHER_BACKENDS = [SDPBackend.FLASH_ATTENTION]
 
 class FusedSDPAUnavailable(RuntimeError):
     """No fused kernel can run these inputs on this device; the message says why."""
+
+
+Kernel = Literal["FusedSDPA", "cpu_decode", "split_context", "pytorch_fused", "pytorch"]
+
+
+class KernelPath(NamedTuple):
+    """How one `fused_sdpa` call runs: the transforms of its inputs, in this order, then one kernel.
+
+    `sink_key`: the sinks as one more key (`sinks.py`), for a kernel that does not take them. `query_rows`: a decode
+    step's query group as the rows of its key/value head (`decode.py`). `equal_widths`: latent attention's value head
+    padded to the query's (or the query and key to the value's) for a kernel that takes equal sizes only.
+    `splits`: the context's pieces for `split_context`.
+    """
+
+    sink_key: bool
+    query_rows: bool
+    equal_widths: bool
+    kernel: Kernel
+    splits: int = 1
+
+    def describe(self, device: torch.device) -> str:
+        """The path in words (run_generation.py's --explain)."""
+        kernels = {
+            "FusedSDPA": "Habana FusedSDPA",
+            "cpu_decode": "the CPU decode kernel (optimum.habana.kernels.cpu_decode)",
+            "split_context": f"torch SDPA (cpu flash backend) over the context in {self.splits} pieces",
+            "pytorch_fused": kernel_name(device),
+            "pytorch": "torch SDPA (PyTorch's own choice of backend: query and value heads of unequal sizes)",
+        }
+        transforms = {
+            "the sinks as one more key": self.sink_key,
+            "each query group as the rows of its key/value head": self.query_rows,
+            "the value heads padded to the query's size": self.equal_widths,
+        }
+        done = [words for words, applies in transforms.items() if applies]
+        return kernels[self.kernel] + (f" ({'; '.join(done)})" if done else "")
+
+
+def kernel_name(device: torch.device) -> str:
+    """The device's fused kernel, in words."""
+    if device.type == "hpu":
+        return "Habana FusedSDPA"
+    if device.type == "cuda":
+        return "torch SDPA (flash / memory-efficient / cuDNN backends)"
+    return f"torch SDPA ({device.type} flash backend)"
+
+
+def kernel_path(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    *,
+    is_causal: bool,
+    dropout_p: float,
+    sinks: torch.Tensor | None,
+) -> KernelPath:
+    """The path of a `fused_sdpa` call, decided once, from shapes and settings (`fused_sdpa`'s arguments)."""
+    decode_step = query.shape[2] == 1 and not is_causal
+    grouped = query.shape[1] != key.shape[1]
+    if on_hpu(query):
+        sink_key = sinks is not None and not kernel_takes_sinks(query, key, sinks)
+        query_rows = decode_step and grouped and (sinks is None or sink_key)  # FusedSDPA's sinks: one per query head
+        return KernelPath(sink_key, query_rows, value.shape[-1] != query.shape[-1], "FusedSDPA")
+    query_rows = decode_step and grouped
+    rows, rows_mask = query_groups_as_rows(query, key.shape[1], attn_mask) if query_rows else (query, attn_mask)
+    rows_sinks = None if sinks is None else decode_kernel_sinks(sinks, key.shape[1], query_rows)
+    if cpu_decode_applies(rows, key, value, rows_mask, is_causal=is_causal, dropout_p=dropout_p, sinks=rows_sinks):
+        # Sinks join each row's softmax and values keep their own width inside the kernel: nothing as long as the
+        # context is copied.
+        return KernelPath(False, query_rows, False, "cpu_decode")
+    splits = context_splits(rows, key, value, rows_mask, is_causal=is_causal, dropout_p=dropout_p)
+    if splits > 1 and (rows_sinks is None or rows_sinks.shape[0] == 1 or rows_sinks.dim() < 3):
+        # One sequence's decode step on CPU: its context in pieces, so that every thread reads a share; the sinks
+        # join as one more piece.
+        return KernelPath(False, query_rows, False, "split_context", splits)
+    sink_key = sinks is not None
+    if value.shape[-1] != query.shape[-1] + (SINK_COLUMNS if sink_key else 0):
+        if rows.shape[2] == 1:
+            # One row of scores per head, whatever the kernel: PyTorch's own choice takes unequal sizes as they are
+            # (its math kernel on CPU), where padding the value would copy the whole value cache at every step.
+            return KernelPath(sink_key, query_rows, False, "pytorch")
+        return KernelPath(sink_key, query_rows, True, "pytorch_fused")
+    return KernelPath(sink_key, query_rows, False, "pytorch_fused")
+
+
+def decode_kernel_sinks(sinks: torch.Tensor, kv_heads: int, query_rows: bool) -> torch.Tensor:
+    """The sinks as the CPU decode kernel takes them: one per head `[H]`, or, for a decode step's query groups as
+    rows, `[Hkv, groups]`; a family's per-row `[B, H, q, 1]` as `[B, H, q]`, or `[B, Hkv, groups]`."""
+    if sinks.dim() == 1:
+        return sinks.reshape(kv_heads, -1) if query_rows else sinks
+    return sinks.reshape(sinks.shape[0], kv_heads, -1)
 
 
 def fused_sdpa(
@@ -53,127 +145,68 @@ def fused_sdpa(
 
     `attn_mask` is a boolean (True = attend) or additive mask broadcastable to `[B, H, q, kv]`. With
     `valid_sequence_lengths` (int32 `[B]`, real tokens per row, padding on `padding_side`) the call must be a
-    causal prefill without a mask: the kernel skips the padding without a materialised mask.
-    Key and value keep their own head count: the kernels handle grouped-query attention themselves, except for a
-    decode step (one query position), whose query group is stacked as the rows of its key/value head
-    (`kernels.decode`): the kernels would otherwise read the cache once per query head. A value head size other
-    than the query's (latent attention) is padded for the call only. `sinks` (one logit per head, or per head and
-    row) join each row's softmax (`sinks.py`).
+    causal prefill without a mask: the kernel skips the padding without a materialised mask. Key and value keep
+    their own head count; `sinks` (one logit per head `[H]`, or per head and row `[B, H, q, 1]`) join each row's
+    softmax. The path (`kernel_path`) is decided once: the transforms, then one kernel, then the transforms undone.
     """
     if valid_sequence_lengths is not None and (attn_mask is not None or not is_causal):
         raise ValueError("valid_sequence_lengths requires is_causal=True and no attn_mask")
-    scale = query.shape[-1] ** -0.5 if scale is None else scale  # explicit: the calls below may widen the heads
-    decode_kernel_sinks = sinks is not None and decode_kernel_takes_sinks(
-        query, key, value, attn_mask, is_causal=is_causal, dropout_p=dropout_p, sinks=sinks
-    )
-    if sinks is not None and not kernel_takes_sinks(query, key, sinks) and not decode_kernel_sinks:
-        if valid_sequence_lengths is not None:
-            raise ValueError("sinks with valid_sequence_lengths need a kernel that takes the sinks")
+    path = kernel_path(query, key, value, attn_mask, is_causal=is_causal, dropout_p=dropout_p, sinks=sinks)
+    if valid_sequence_lengths is not None and path.sink_key:
+        raise ValueError("sinks with valid_sequence_lengths need a kernel that takes the sinks")
+    if valid_sequence_lengths is not None and path.kernel != "FusedSDPA" and padding_side != "right":
+        # PyTorch's kernels have no valid-length mode; right padding is exact under `is_causal` for the real tokens.
+        raise ValueError("valid_sequence_lengths with left padding runs on Gaudi only: permute the rows first")
+    scale = query.shape[-1] ** -0.5 if scale is None else scale  # explicit: the transforms may widen the heads
+    heads, width = query.shape[1], value.shape[-1]
+    dropped_rows = 0
+    if path.sink_key:
         query, key, value, attn_mask, dropped_rows = with_sink_key(
             query, key, value, attn_mask, is_causal, scale, sinks
         )
-        output = fused_sdpa(
-            query, key, value, attn_mask, is_causal=is_causal and attn_mask is None, scale=scale,
-            dropout_p=dropout_p, softmax_mode=softmax_mode, recompute=recompute,
-        )  # fmt: skip
-        return output[:, :, dropped_rows:]
-    if (
-        query.shape[2] == 1
-        and not is_causal
-        and query.shape[1] != key.shape[1]
-        and (sinks is None or decode_kernel_sinks)
-    ):
-        # A decode step: the query group as rows of its key/value head, each cached key and value read once.
-        rows, rows_mask = query_groups_as_rows(query, key.shape[1], attn_mask)
-        rows_sinks = None if sinks is None else sinks.reshape(key.shape[1], -1)  # per head: per row of its group
-        options = {"scale": scale, "dropout_p": dropout_p, "softmax_mode": softmax_mode, "recompute": recompute}
-        output = fused_sdpa(rows, key, value, rows_mask, is_causal=False, sinks=rows_sinks, **options)
-        return output.view(*query.shape[:3], output.shape[-1])
-    if decode_kernel_sinks or (
-        value.shape[-1] != query.shape[-1]
-        and not on_hpu(query)
-        and cpu_decode_applies(query, key, value, attn_mask, is_causal=is_causal, dropout_p=dropout_p)
-    ):
-        # A decode step on CPU with sinks, or with latent attention's values of another size: the decode kernel takes
-        # both as they are (the sinks join each row's softmax, the weighted sum runs over the values' own width),
-        # where padding the keys with a sink column or the values to the query's size would copy the whole cache.
-        return cpu_decode_sdpa(query, key, value, attn_mask, scale=scale, sinks=sinks)
-    if value.shape[-1] != query.shape[-1] and query.shape[2] == 1 and not on_hpu(query):
-        # A decode step of latent attention: one row of scores per head, whatever the kernel. PyTorch's own choice
-        # takes the unequal sizes as they are (its math kernel on CPU), where padding the value would copy the
-        # whole value cache at every step.
-        enable_gqa = key.shape[1] != query.shape[1]
-        return F.scaled_dot_product_attention(
-            query, key, value, attn_mask, dropout_p=dropout_p, scale=scale, enable_gqa=enable_gqa
-        )
-    if value.shape[-1] != query.shape[-1]:
-        return _with_equal_head_sizes(
-            query, key, value, attn_mask, is_causal=is_causal, scale=scale, dropout_p=dropout_p,
-            softmax_mode=softmax_mode, recompute=recompute, valid_sequence_lengths=valid_sequence_lengths,
-            padding_side=padding_side, sinks=sinks,
-        )  # fmt: skip
-    if on_hpu(query):
-        kernel = hpu_kernel()
-        if kernel is None:
-            raise FusedSDPAUnavailable("tensors are on HPU but habana_frameworks cannot be imported")
-        return _hpu_fused_sdpa(
-            kernel,
-            query,
-            key,
-            value,
-            attn_mask,
-            is_causal=is_causal,
-            scale=scale,
-            dropout_p=dropout_p,
-            softmax_mode=softmax_mode,
-            recompute=recompute,
-            valid_sequence_lengths=valid_sequence_lengths,
-            padding_side=padding_side,
-            sinks=sinks,
-        )
-    if softmax_mode != "None":
+        is_causal, sinks = is_causal and attn_mask is None, None
+    if path.query_rows:
+        query, attn_mask = query_groups_as_rows(query, key.shape[1], attn_mask)
+    if path.kernel in ("cpu_decode", "split_context") and sinks is not None:
+        sinks = decode_kernel_sinks(sinks, key.shape[1], path.query_rows)
+    if path.equal_widths:
+        query, key, value = _with_equal_widths(query, key, value)
+
+    options = {"is_causal": is_causal, "scale": scale, "dropout_p": dropout_p}
+    if path.kernel != "FusedSDPA" and softmax_mode != "None":
         warn_once(
             f"flash_attention_fast_softmax has no equivalent in PyTorch's fused attention on {query.device.type}: "
             "the exact softmax is used."
         )
-    # `recompute` needs nothing here: PyTorch's fused kernels never keep the probabilities, backward recomputes them.
-    if valid_sequence_lengths is not None and padding_side != "right":
-        # PyTorch's kernels have no valid-length mode; right padding is exact under `is_causal` for the real tokens.
-        raise ValueError("valid_sequence_lengths with left padding runs on Gaudi only: permute the rows first")
-    if cpu_decode_applies(query, key, value, attn_mask, is_causal=is_causal, dropout_p=dropout_p):
-        # A decode step on CPU (float32, bfloat16): the kernel built for it reads the cache once, on every thread.
-        return cpu_decode_sdpa(query, key, value, attn_mask, scale=scale)
-    splits = context_splits(query, key, value, attn_mask, is_causal=is_causal, dropout_p=dropout_p)
-    if splits > 1:  # one sequence's decode step on CPU: its context in pieces, so that every thread reads a share
-        return split_context_sdpa(query, key, value, attn_mask, scale=scale, splits=splits)
-    return _torch_fused_sdpa(query, key, value, attn_mask, is_causal=is_causal, scale=scale, dropout_p=dropout_p)
+    # `recompute` needs nothing off Gaudi: PyTorch's fused kernels never keep the probabilities, backward recomputes.
+    if path.kernel == "FusedSDPA":
+        kernel = hpu_kernel()
+        if kernel is None:
+            raise FusedSDPAUnavailable("tensors are on HPU but habana_frameworks cannot be imported")
+        output = _hpu_fused_sdpa(
+            kernel, query, key, value, attn_mask, **options, softmax_mode=softmax_mode, recompute=recompute,
+            valid_sequence_lengths=valid_sequence_lengths, padding_side=padding_side, sinks=sinks,
+        )  # fmt: skip
+    elif path.kernel == "cpu_decode":
+        output = cpu_decode_sdpa(query, key, value, attn_mask, scale=scale, sinks=sinks)
+    elif path.kernel == "split_context":
+        output = split_context_sdpa(query, key, value, attn_mask, scale=scale, splits=path.splits, sinks=sinks)
+    elif path.kernel == "pytorch":
+        enable_gqa = key.shape[1] != query.shape[1]
+        output = F.scaled_dot_product_attention(query, key, value, attn_mask, enable_gqa=enable_gqa, **options)
+    else:
+        output = _torch_fused_sdpa(query, key, value, attn_mask, **options)
 
-
-def decode_kernel_takes_sinks(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attn_mask: torch.Tensor | None,
-    *,
-    is_causal: bool,
-    dropout_p: float,
-    sinks: torch.Tensor,
-) -> bool:
-    """Whether the CPU decode kernel takes this decode step with its sinks as they are (one logit per head; per row
-    of its key/value head where the query group is stacked): no sink column is then added to the keys."""
-    if is_causal or on_hpu(query):
-        return False
-    if query.shape[1] != key.shape[1]:
-        if sinks.dim() != 1 or query.shape[2] != 1:
-            return False
-        query, attn_mask = query_groups_as_rows(query, key.shape[1], attn_mask)
-        sinks = sinks.reshape(key.shape[1], -1)
-    return cpu_decode_applies(query, key, value, attn_mask, is_causal=False, dropout_p=dropout_p, sinks=sinks)
+    output = output[..., :width]
+    if path.query_rows:
+        output = output.reshape(output.shape[0], heads, -1, width)
+    return output[:, :, dropped_rows:]
 
 
 def kernel_takes_sinks(query: torch.Tensor, key: torch.Tensor, sinks: torch.Tensor) -> bool:
     """Whether the device's kernel takes these sinks itself: FusedSDPA of a Gaudi software that has the argument, in
-    inference (its backward pass returns no gradient for them), one logit per head. Elsewhere `sinks.py` adds them."""
+    inference (its backward pass returns no gradient for them), one logit per head. Elsewhere `sinks.py` adds them,
+    but for the CPU decode kernel's calls (`kernel_path`)."""
     if not on_hpu(query):
         return False
     kernel = hpu_kernel()
@@ -181,18 +214,16 @@ def kernel_takes_sinks(query: torch.Tensor, key: torch.Tensor, sinks: torch.Tens
     return kernel is not None and kernel.takes_sinks and not grad and sinks.dim() == 1
 
 
-def _with_equal_head_sizes(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args, **kwargs
-) -> torch.Tensor:
+def _with_equal_widths(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Latent attention's value head differs from the query's: pad the narrower side with zeros for the call (the
-    scores and the value rows are unchanged) and cut the output back to the value's size. CPU's flash kernel and
-    CUDA's flash kernels take equal sizes only. A prompt's copy is O(N); decode steps do not pad (above)."""
+    scores and the value rows are unchanged; the output is cut back to the value's size). CPU's flash kernel and
+    CUDA's flash kernels take equal sizes only. A prompt's copy is O(N); decode steps do not pad (`kernel_path`)."""
     width = value.shape[-1]
     if width < query.shape[-1]:
-        value = F.pad(value, (0, query.shape[-1] - width))
-    else:
-        query, key = F.pad(query, (0, width - query.shape[-1])), F.pad(key, (0, width - key.shape[-1]))
-    return fused_sdpa(query, key, value, *args, **kwargs)[..., :width]
+        return query, key, F.pad(value, (0, query.shape[-1] - width))
+    return F.pad(query, (0, width - query.shape[-1])), F.pad(key, (0, width - key.shape[-1])), value
 
 
 def host_reads_allowed(tensor: torch.Tensor) -> bool:
@@ -342,7 +373,10 @@ warn_once.cache_clear = _warn_once.cache_clear  # tests reset the "once"
 
 __all__ = [
     "FusedSDPAUnavailable",
+    "KernelPath",
     "fused_sdpa",
+    "kernel_name",
+    "kernel_path",
     "host_reads_allowed",
     "needs_padding_mask",
     "needs_static_shapes",

@@ -63,6 +63,13 @@ def with_sink_key(
     return query, key, value, attn_mask, dropped_rows
 
 
+def sinks_per_row(sinks: torch.Tensor, batch: int, heads: int, rows: int) -> torch.Tensor:
+    """The decode kernels' sinks (`[H]`, `[H, rows]`, or `[B or 1, H, rows]`: `dispatch.decode_kernel_sinks`) as
+    float32 `[B, H, rows]`, broadcast where they are shared (no copy of the logits)."""
+    sequences = sinks.shape[0] if sinks.dim() == 3 else 1
+    return sinks.float().contiguous().view(sequences, heads, -1).expand(batch, heads, rows)
+
+
 def sink_weight_column(scores: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
     """The sinks as a last column of `scores` (`[B, Hkv, groups, q, kv]`), for the default path's softmax."""
     batch, kv_heads, groups, q_len, _ = scores.shape
@@ -71,4 +78,4 @@ def sink_weight_column(scores: torch.Tensor, sinks: torch.Tensor) -> torch.Tenso
     return torch.cat([scores, logits.expand(batch, kv_heads, groups, q_len, 1)], dim=-1)
 
 
-__all__ = ["SINK_COLUMNS", "sink_logits", "sink_weight_column", "with_sink_key"]
+__all__ = ["SINK_COLUMNS", "sink_logits", "sink_weight_column", "sinks_per_row", "with_sink_key"]

@@ -19,6 +19,8 @@ import math
 
 import torch
 
+from .sinks import sinks_per_row
+
 
 # The least context a piece gets: below this the kernel's fixed cost per piece outweighs the better balance.
 MIN_PIECE_TOKENS = 1024
@@ -84,10 +86,12 @@ def split_context_sdpa(
     *,
     scale: float,
     splits: int,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one sequence's few query rows `[1, H, q, D]` over its context `[1, H, L, D]`, in `splits`
     pieces of the context, combined exactly. `attn_mask` is boolean (True = attend) or additive, broadcastable to
-    `[1, H, q, L]`."""
+    `[1, H, q, L]`. `sinks` (the decode kernels' forms, `sinks.sinks_per_row`) join as one more piece: its
+    log-sum-exp is the sink, its output zero."""
     if attn_mask is not None and attn_mask.dtype == torch.bool:
         attn_mask = torch.zeros_like(attn_mask, dtype=query.dtype).masked_fill_(~attn_mask, -math.inf)
     length = key.shape[2]
@@ -104,6 +108,9 @@ def split_context_sdpa(
         tail = None if attn_mask is None else attn_mask[..., whole:]
         tail_output, tail_scores = _attend(query, key[:, :, whole:], value[:, :, whole:], tail, scale)
         outputs, scores = torch.cat([outputs, tail_output]), torch.cat([scores, tail_scores])
+    if sinks is not None:
+        sink_scores = sinks_per_row(sinks, 1, *query.shape[1:3]).to(scores.dtype)
+        outputs, scores = torch.cat([outputs, torch.zeros_like(outputs[:1])]), torch.cat([scores, sink_scores])
     return _combine(outputs, scores, rows_may_be_masked=attn_mask is not None).to(query.dtype)
 
 

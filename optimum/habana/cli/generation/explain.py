@@ -10,7 +10,9 @@ compare this account with the kernel calls that happen.
 """
 
 import dataclasses
+import functools
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,6 +21,7 @@ from transformers import AutoConfig, AutoTokenizer
 
 from optimum.habana.cli.adapters import check_adapter_folder, check_adapter_matches
 from optimum.habana.kernels.cpu_decode import decode_kernel_expected
+from optimum.habana.kernels.dispatch import kernel_name, kernel_path
 from optimum.habana.transformers.attention_flags import AttentionFlags
 from optimum.habana.transformers.batch_layout import local_layers_run_planned, padding_mask_is_all_it_needs
 from optimum.habana.transformers.cache import bucketed_length
@@ -49,6 +52,7 @@ class LayerGroup:
     scaling: float
     variant: str = ""  # what the layer's attention does besides plain attention: sinks, latent heads, chunks, ...
     chunk: int | None = None  # a chunked layer's chunk size
+    geometry: tuple[int, int, int, int, bool] = (1, 1, 1, 1, False)  # heads, kv heads, q/k and v head sizes, sinks
 
     @property
     def label(self) -> str:
@@ -122,13 +126,16 @@ def explain(arguments: ScriptArguments) -> str:
     lines += ["", "Attention calls:"]
     # A padded prompt's plan (batch_layout): every layer full attention, or, off Gaudi, windows and chunks too.
     prompt_plan = padding_mask_is_all_it_needs(config) or (device.type != "hpu" and local_layers_run_planned(config))
-    # Eager decode steps on CPU run on the decode kernel (kernels/cpu_decode.py); compiled ones on the compiler's.
-    decode_kernel = device.type == "cpu" and not arguments.execution.torch_compile and decode_kernel_expected(dtype)
     if engine:
+        # The engine's eager decode steps on CPU read the paged cache on the decode kernel (kernels/cpu_decode.py).
+        paged_kernel = device.type == "cpu" and not arguments.execution.torch_compile and decode_kernel_expected(dtype)
         max_batch_tokens = arguments.execution.cb_max_batch_tokens
         lines += engine_call_accounts(
-            flags, groups, config, device, kernel_name(device), decode_kernel, max_batch_tokens
+            flags, groups, config, device, kernel_name(device), paged_kernel, max_batch_tokens
         )
+    kernel = functools.partial(
+        kernel_account, device=device, dtype=dtype, rows=rows, compiled=arguments.execution.torch_compile
+    )
     for phase in (
         [] if engine else phases(layout.kind, input_length, workload.max_new_tokens, padded, max_cache_len, layout)
     ):
@@ -137,7 +144,7 @@ def explain(arguments: ScriptArguments) -> str:
             f"{', padded rows' if phase.padded else ''}):"
         )
         for group in groups:
-            account = call_account(flags, group, phase, device, prompt_plan, decode_kernel)
+            account = call_account(flags, group, phase, device, prompt_plan, kernel)
             lines.append(f"    {group.label}: {account}")
     if others := other_layer_kinds(config):
         lines.append(f"  other layers: {', '.join(others)}: no softmax attention, the flag leaves them to the model")
@@ -202,9 +209,52 @@ def attention_layer_groups(model: torch.nn.Module) -> list[LayerGroup]:
             float(module.scaling),
             layer_variant(module, model.config),
             layer_chunk(module, model.config),
+            layer_geometry(module, model.config),
         )
         by_settings.setdefault(settings, []).append(index)
     return [LayerGroup(tuple(indices), *settings) for settings, indices in by_settings.items()]
+
+
+def layer_geometry(module: torch.nn.Module, config) -> tuple[int, int, int, int, bool]:
+    """The shapes one layer hands the kernel: query heads, key/value heads, query/key and value head sizes, and
+    whether it has sinks (read off the module as transformers' attention classes name them)."""
+    layer_config = getattr(module, "config", None) or config
+    heads = getattr(module, "num_heads", None) or layer_config.num_attention_heads
+    groups = getattr(module, "num_key_value_groups", None)
+    kv_heads = heads // groups if isinstance(groups, int) and groups else layer_config.num_key_value_heads or heads
+    head_dim = getattr(module, "qk_head_dim", None) or getattr(module, "head_dim", None)
+    head_dim = head_dim or layer_config.hidden_size // layer_config.num_attention_heads
+    value_dim = getattr(module, "v_head_dim", None) or head_dim
+    return heads, kv_heads, head_dim, value_dim, isinstance(getattr(module, "sinks", None), torch.Tensor)
+
+
+def kernel_account(
+    group: LayerGroup,
+    phase: Phase,
+    device: torch.device,
+    dtype: torch.dtype,
+    rows: int,
+    *,
+    masked: bool,
+    compiled: bool,
+) -> str:
+    """The kernel a call of this group and phase reaches and the transforms before it, as `fused_sdpa` decides them
+    (`kernel_path`), on stand-ins of the call's shapes that hold one value each (no memory, nothing runs)."""
+    heads, kv_heads, head_dim, value_dim, has_sinks = group.geometry
+    q_len, kv_len = phase.q_len, phase.kv_lengths[1]
+
+    def stand_in(*shape: int, dtype: torch.dtype = dtype) -> torch.Tensor:
+        return torch.zeros(shape[-1], device=device, dtype=dtype).expand(*shape)
+
+    mask = stand_in(rows, 1, q_len, kv_len, dtype=torch.bool) if masked else None
+    path = kernel_path(
+        stand_in(rows, heads, q_len, head_dim), stand_in(rows, kv_heads, kv_len, head_dim),
+        stand_in(rows, kv_heads, kv_len, value_dim), mask, is_causal=mask is None and q_len > 1, dropout_p=0.0,
+        sinks=torch.zeros(heads, device=device, dtype=dtype) if has_sinks else None,
+    )  # fmt: skip
+    if compiled and path.kernel == "split_context":  # a compiled graph's call is never cut (the thread count)
+        path = path._replace(kernel="pytorch_fused", splits=1)
+    return path.describe(device)
 
 
 def layer_chunk(module: torch.nn.Module, config) -> int | None:
@@ -229,12 +279,10 @@ def layer_variant(module: torch.nn.Module, config) -> str:
     if isinstance(window := getattr(module, "sliding_window", None), int):
         parts.append(f"sliding window of {window} tokens")
     if isinstance(getattr(module, "sinks", None), torch.Tensor):
-        parts.append("attention sinks: one more key per row")
+        parts.append("attention sinks: one more logit in each row's softmax")
     key_size, value_size = getattr(module, "qk_head_dim", None), getattr(module, "v_head_dim", None)
     if isinstance(key_size, int) and isinstance(value_size, int) and key_size != value_size:
-        parts.append(
-            f"latent attention: query/key heads of {key_size}, value heads of {value_size}, padded for the call"
-        )
+        parts.append(f"latent attention: query/key heads of {key_size}, value heads of {value_size}")
     if getattr(module, "indexer", None) is not None:
         parts.append(f"sparse: the indexer's {getattr(config, 'index_topk', '?')} keys per query, as a mask")
     if getattr(config, "is_heterogeneous", False):
@@ -300,10 +348,10 @@ def call_account(
     phase: Phase,
     device: torch.device,
     model_mask_free: bool,
-    decode_kernel: bool = False,
+    kernel: Callable[..., str],
 ) -> str:
-    """The path of this group's calls in this phase, and the arguments the kernel gets (`decode_kernel`: eager decode
-    steps on CPU run on the library's decode kernel)."""
+    """The path of this group's calls in this phase, and the arguments the kernel gets (`kernel`: `kernel_account`
+    with the run's device, dtype and rows, which names the kernel and the transforms before it)."""
     is_prefill = phase.q_len > 1
     mask_skipped = mask_is_skipped(group, phase)
     mask = "None" if mask_skipped else f"boolean [rows, 1, {phase.q_len}, kv]"
@@ -361,11 +409,10 @@ def call_account(
         arguments += " (no padding mask is built)" if not runs_local else " (no [q, kv] mask is built)"
     softmax_mode = "fast" if flags.flash_attention_fast_softmax and is_prefill else "None"
     recompute = flags.flash_attention_recompute and is_prefill
-    kernel = kernel_name(device)
-    if decode_kernel and phase.q_len == 1 and "latent attention" not in group.variant:  # latent: PyTorch's own pick
-        kernel = "the CPU decode kernel (optimum.habana.kernels.cpu_decode)"
+    masked = arguments.startswith("attn_mask=") and not arguments.startswith("attn_mask=None")
     account = (
-        f"fused kernel, {kernel}: {arguments}, scale={group.scaling:g}, softmax_mode={softmax_mode}, "
+        f"fused kernel, {kernel(group, phase, masked=masked)}: {arguments}, scale={group.scaling:g}, "
+        f"softmax_mode={softmax_mode}, "
         f"recompute={recompute}"
     )
     if window_kept:
@@ -373,14 +420,6 @@ def call_account(
     if softmax_mode == "fast" and device.type != "hpu":
         account += " (no fast softmax here: one warning, exact softmax)"
     return account
-
-
-def kernel_name(device: torch.device) -> str:
-    if device.type == "hpu":
-        return "Habana FusedSDPA"
-    if device.type == "cuda":
-        return "torch SDPA (flash / memory-efficient / cuDNN backends)"
-    return f"torch SDPA ({device.type} flash backend)"
 
 
 def flag_accounts(arguments: ScriptArguments, device: torch.device, cache_kind: str) -> list[str]:

@@ -85,9 +85,11 @@ PER_LAYER = "per-layer head counts and sizes"
 PLAIN = "plain causal attention"
 FUSED_PATHS = {
     PLAIN: "fused; a padded prompt causally over its real tokens, no mask built",
-    SINKS: "fused: each sink as one more key of score `sink` and value 0 (FusedSDPA's own sink argument where the "
-    "Gaudi software has it, in inference); gradients reach the sinks",
-    LATENT: "fused: the value padded to the query's head size for the call only; the cache keeps its own sizes",
+    SINKS: "fused: decode steps on CPU take the sinks into each row's softmax (the decode kernel, the cut context); "
+    "elsewhere each sink is one more key of score `sink` and value 0 (FusedSDPA's own sink argument where the Gaudi "
+    "software has it, in inference); gradients reach the sinks",
+    LATENT: "fused: decode steps on CPU run over the values' own width; elsewhere the value is padded to the query's "
+    "head size for the call only; the cache keeps its own sizes",
     SELECTED_KEYS: "fused, over the keys the indexer selected (the family's own selection, as a mask), never dense",
     POSITION_BIAS: "fused, the bias added to the mask as a float mask",
     SOFTCAP: "default path, one warning: no fused kernel applies tanh to the scores",
