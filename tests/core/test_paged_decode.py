@@ -36,8 +36,9 @@ def paged_inputs(heads: int, kv_heads: int, head_dim: int, lengths: list[int], d
     return query, keys, values, slots, starts
 
 
-def gathered_attention(query, keys, values, slots, starts, lengths):
-    """Each sequence's row over its gathered keys, by PyTorch's attention (zeros for a sequence without keys)."""
+def gathered_attention(query, keys, values, slots, starts, lengths, sinks=None):
+    """Each sequence's row over its gathered keys, by PyTorch's attention (zeros for a sequence without keys);
+    `sinks` (one per head) as one more key whose score is the sink and whose value is zero."""
     rows = []
     for row, start, length in zip(query, starts, lengths, strict=True):
         if length == 0:
@@ -45,6 +46,14 @@ def gathered_attention(query, keys, values, slots, starts, lengths):
             continue
         index = slots[start : start + length]
         key, value = (pages.index_select(0, index).transpose(0, 1)[None].float() for pages in (keys, values))
+        if sinks is not None:
+            row_query = row.float() * row.shape[-1] ** -0.5
+            scores = row_query[:, None] @ key[0].repeat_interleave(row.shape[0] // key.shape[1], 0).transpose(1, 2)
+            scores = torch.cat([scores[:, 0], sinks[:, None].float()], dim=-1)
+            weights = torch.softmax(scores, dim=-1)[:, :-1]
+            repeated = value[0].repeat_interleave(row.shape[0] // key.shape[1], 0)
+            rows.append((weights[:, None] @ repeated)[:, 0])
+            continue
         rows.append(F.scaled_dot_product_attention(row[None, :, None].float(), key, value, enable_gqa=True)[0, :, 0])
     return torch.stack(rows)
 
@@ -57,14 +66,16 @@ PAGED_SHAPES = {
 
 
 @needs_kernel
+@pytest.mark.parametrize("with_sinks", [False, True], ids=["", "sinks"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", list(PAGED_SHAPES))
-def test_the_paged_entry_gives_pytorchs_attention_over_the_gathered_keys(shape, dtype):
+def test_the_paged_entry_gives_pytorchs_attention_over_the_gathered_keys(shape, dtype, with_sinks):
     heads, kv_heads, head_dim, lengths = PAGED_SHAPES[shape]
     query, keys, values, slots, starts = paged_inputs(heads, kv_heads, head_dim, lengths, dtype)
-    assert paged_decode_applies(query[None].transpose(1, 2), keys)
-    output = paged_decode_sdpa(query, keys, values, slots, starts, lengths, scale=head_dim**-0.5)
-    expected = gathered_attention(query, keys, values, slots, starts, lengths)
+    sinks = torch.linspace(-2.0, 6.0, heads) if with_sinks else None  # up to far above the scores: they count
+    assert paged_decode_applies(query[None].transpose(1, 2), keys, sinks)
+    output = paged_decode_sdpa(query, keys, values, slots, starts, lengths, scale=head_dim**-0.5, sinks=sinks)
+    expected = gathered_attention(query, keys, values, slots, starts, lengths, sinks)
     assert output.dtype == dtype
     tolerance = {"rtol": 1e-5, "atol": 1e-6} if dtype == torch.float32 else {"rtol": 1.6e-2, "atol": 1e-2}
     torch.testing.assert_close(output.float(), expected.to(dtype).float(), **tolerance)

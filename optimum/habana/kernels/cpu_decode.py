@@ -267,10 +267,13 @@ def _decode_attention(
     return output.to(rows_dtype)
 
 
-def paged_decode_applies(query: torch.Tensor, pages: torch.Tensor) -> bool:
+def paged_decode_applies(query: torch.Tensor, pages: torch.Tensor, sinks: torch.Tensor | None = None) -> bool:
     """Whether a continuous-batching step's decode rows `[1, H, q, D]` can read the paged cache's view `pages`
     (`[slots, Hkv, D]`: a key or value view of transformers' paged cache) in place on the kernel: eager, on CPU,
-    float32 or bfloat16 throughout, no gradients, a query group of at most MAX_QUERY_ROWS rows per key/value head."""
+    float32 or bfloat16 throughout, no gradients, a query group of at most MAX_QUERY_ROWS rows per key/value head,
+    and `sinks`, if any, one logit per query head."""
+    if sinks is not None and not _sinks_fit(sinks, 1, query.shape[1], 1):
+        return False
     if (
         any(type(tensor) is not torch.Tensor for tensor in (query, pages))
         or query.device.type != "cpu"
@@ -299,15 +302,19 @@ def paged_decode_sdpa(
     lengths: list[int],
     *,
     scale: float,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query row per sequence, `query [S, H, D]`, over the keys and values of a paged cache where they lie:
     the views `keys`, `values` `[slots, Hkv, D]`, sequence s's tokens at `slots[starts[s]:starts[s] + lengths[s]]`
-    (int64). Every row attends to all its sequence's tokens (a decode step's). Returns `[S, H, D]`. A slot outside
-    the views is an error, never a read. Runs as the operator `optimum_habana::paged_decode_attention`."""
+    (int64). Every row attends to all its sequence's tokens (a decode step's), `sinks` (one logit per query head)
+    joining its softmax. Returns `[S, H, D]`. A slot outside the views is an error, never a read. Runs as the
+    operator `optimum_habana::paged_decode_attention`."""
     if _into_graph():
-        return torch.ops.optimum_habana.paged_decode_attention(query, keys, values, slots, starts, lengths, scale)
+        return torch.ops.optimum_habana.paged_decode_attention(
+            query, keys, values, slots, starts, lengths, scale, sinks
+        )
     with _named_for_the_profiler("optimum_habana::paged_decode_attention"):
-        return _paged_decode_attention(query, keys, values, slots, starts, lengths, scale=scale)
+        return _paged_decode_attention(query, keys, values, slots, starts, lengths, scale=scale, sinks=sinks)
 
 
 @torch.library.custom_op("optimum_habana::paged_decode_attention", mutates_args=())
@@ -319,12 +326,13 @@ def _paged_decode_operator(
     starts: list[int],
     lengths: list[int],
     scale: float,
+    sinks: torch.Tensor | None,
 ) -> torch.Tensor:
-    return _paged_decode_attention(query, keys, values, slots, starts, lengths, scale=scale)
+    return _paged_decode_attention(query, keys, values, slots, starts, lengths, scale=scale, sinks=sinks)
 
 
 @_paged_decode_operator.register_fake
-def _(query, keys, values, slots, starts, lengths, scale):
+def _(query, keys, values, slots, starts, lengths, scale, sinks):
     return query.new_empty(query.shape)
 
 
@@ -337,6 +345,7 @@ def _paged_decode_attention(
     lengths: list[int],
     *,
     scale: float,
+    sinks: torch.Tensor | None = None,
     kernel: ctypes.CDLL | None = None,
 ) -> torch.Tensor:
     sequences, heads, head_dim = query.shape
@@ -348,6 +357,7 @@ def _paged_decode_attention(
     rows_dtype, query = query.dtype, query.float().contiguous()  # one row per head: float32 arithmetic
     slots = slots.to(torch.int64).contiguous()
     bounds = torch.tensor([starts, lengths], dtype=torch.int64)
+    sinks = None if sinks is None else sinks.float().contiguous()  # one per query head: the call's rows
     output = torch.empty(sequences, heads, head_dim)
     threads, slot_count = torch.get_num_threads(), min(keys.shape[0], values.shape[0])
     kernel = kernel or decode_kernel(head_dim, keys.dtype)
@@ -355,7 +365,8 @@ def _paged_decode_attention(
         query.data_ptr(), *query.stride()[:2],
         keys.data_ptr(), *keys.stride()[:2],
         values.data_ptr(), *values.stride()[:2],
-        slot_count, slots.data_ptr(), bounds[0].data_ptr(), bounds[1].data_ptr(), None,
+        slot_count, slots.data_ptr(), bounds[0].data_ptr(), bounds[1].data_ptr(),
+        None if sinks is None else sinks.data_ptr(),
         output.data_ptr(), sequences, heads, kv_heads, scale, PAGED_CHUNK, threads,
     )  # fmt: skip
     if failed == 2:
@@ -403,11 +414,11 @@ def agrees_with_pytorch(kernel: ctypes.CDLL, head_dim: int, value_dim: int, dtyp
     if value_dim == head_dim:  # the paged entry serves caches of one head size
         pages = (tensor[0].transpose(0, 1) for tensor in (key, value))  # one sequence's tokens as slots
         rows = query[0, :, :1].transpose(0, 1).to(dtype)  # its first query row per head
-        plain = _reference_attention(query, key, value, None, scale, None).float()
-        paged = _paged_decode_attention(rows, *pages, torch.arange(300), [0], [300], scale=scale, kernel=kernel)
-        agrees = agrees and torch.allclose(
-            paged.float(), plain[0, :, :1].transpose(0, 1), rtol=tolerance, atol=tolerance
+        plain = _reference_attention(query[:1, :, :1], key[:1], value[:1], None, scale, sinks[0, :, 0]).float()
+        paged = _paged_decode_attention(
+            rows, *pages, torch.arange(300), [0], [300], scale=scale, sinks=sinks[0, :, 0], kernel=kernel
         )
+        agrees = agrees and torch.allclose(paged.float(), plain[0].transpose(0, 1), rtol=tolerance, atol=tolerance)
     return bool(agrees)
 
 

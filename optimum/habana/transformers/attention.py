@@ -109,7 +109,7 @@ def gaudi_attention_forward(
             segment_bounds is not None
             and sliding_window is None
             and flags.use_flash_attention
-            and sinks is None
+            and (sinks is None or sinks.dim() == 1)  # one logit per head: the paged entry's softmax takes it
             and position_bias is None
             and selected_keys is None
             and fused_path_refusal(module, softcap, output_attentions) is None
@@ -118,7 +118,7 @@ def gaudi_attention_forward(
             output = paged_step_in_place(
                 module, query, key, value, paged_cache, cache_kwargs, segment_bounds,
                 scale=scaling, fast_softmax=flags.flash_attention_fast_softmax,
-                recompute=flags.flash_attention_recompute,
+                recompute=flags.flash_attention_recompute, sinks=sinks,
             )  # fmt: skip
             if output is not None:
                 warn_about_default_path_flags(flags)

@@ -53,19 +53,21 @@ def paged_step_in_place(
     scale: float | None,
     fast_softmax: bool,
     recompute: bool,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """The step's attention `[1, H, q, D]` (zeros at queries of no sequence), its keys and values written to the
     cache; or None, with nothing written, where the cache cannot be read in place: a step planned inside a graph (no
     `bounds`), a layer kind other than full attention, a block-table step, no decode row, a step with nothing cached
     (its read index is empty: a one-token prompt is then a "decode row" with no page to read), or a call the kernel
-    does not take (`paged_decode_applies`). `cache_kwargs`: what the engine passes for the cache (`read_index`, ...)."""
+    does not take (`paged_decode_applies`). `cache_kwargs`: what the engine passes for the cache (`read_index`, ...);
+    `sinks`: one logit per query head, joining every row's softmax."""
     layer_index = module.layer_idx
     allocator = cache.layer_to_allocator[layer_index]
     decoding = [segment for segment in bounds or () if segment.query_end - segment.query_start == 1]
     if not decoding or allocator.layer_type != FULL_ATTENTION or cache_kwargs.get("block_table") is not None:
         return None
     keys, values = (pages.flatten(0, 1) for pages in allocator.get_cache_for_block_table(layer_index))
-    if key.shape[-1] != value.shape[-1] or not paged_decode_applies(query, keys):
+    if key.shape[-1] != value.shape[-1] or not paged_decode_applies(query, keys, sinks):
         return None
     reads = cache_kwargs["read_index"]
     slots = reads[allocator.index]
@@ -84,6 +86,7 @@ def paged_step_in_place(
         [segment.key_start for segment in decoding],
         [segment.key_end - segment.key_start for segment in decoding],
         scale=scale,
+        sinks=sinks,
     ).transpose(0, 1)
     for _, query_start, query_end, key_start, key_end in bounds:
         if query_end - query_start == 1:
@@ -99,6 +102,7 @@ def paged_step_in_place(
             dropout_p=0.0,
             fast_softmax=fast_softmax,
             recompute=recompute,
+            sinks=sinks,
         )
     return output
 

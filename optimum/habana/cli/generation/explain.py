@@ -36,7 +36,7 @@ from optimum.habana.utils.model_loading import (
 )
 
 from .arguments import ExecutionArguments, ScriptArguments, WorkloadArguments, flag_notes, resolve_execution
-from .explain_engine import engine_call_accounts
+from .explain_engine import SINKS_VARIANT, engine_call_accounts
 from .explain_graphs import graph_accounts
 from .generation_config import kv_cache_layout
 from .prompts import check_sequence_length, prompt_pool, prompts_for_batch, render_prompts, tokenize_prompts
@@ -279,7 +279,7 @@ def layer_variant(module: torch.nn.Module, config) -> str:
     if isinstance(window := getattr(module, "sliding_window", None), int):
         parts.append(f"sliding window of {window} tokens")
     if isinstance(getattr(module, "sinks", None), torch.Tensor):
-        parts.append("attention sinks: one more logit in each row's softmax")
+        parts.append(SINKS_VARIANT)
     key_size, value_size = getattr(module, "qk_head_dim", None), getattr(module, "v_head_dim", None)
     if isinstance(key_size, int) and isinstance(value_size, int) and key_size != value_size:
         parts.append(f"latent attention: query/key heads of {key_size}, value heads of {value_size}")

@@ -14,6 +14,7 @@ from optimum.habana.transformers.continuous_batching import steps_run_mask_free
 
 PAGED_ENTRY = "the CPU decode kernel's paged entry (optimum.habana.kernels.cpu_decode)"
 GATHERED = "the keys gathered from its pages"
+SINKS_VARIANT = "attention sinks: one more logit in each row's softmax"  # a layer group's variant (explain.py)
 
 
 def engine_call_accounts(
@@ -77,7 +78,8 @@ def decode_account(
     if default is not None:
         return default
     full = group.sliding_window is None and group.chunk is None
-    if planned and full and decode_kernel and not group.variant:
+    # Sinks (one per head) join the paged entry's softmax; other variants leave the step to the engine's gather.
+    if planned and full and decode_kernel and group.variant in ("", SINKS_VARIANT):
         return (
             f"{PAGED_ENTRY}: every request's decode row in one call, reading its pages in place by the engine's read "
             "index (nothing gathered)"
@@ -87,4 +89,4 @@ def decode_account(
     return f"fused kernel, {kernel}: the engine's dense mask, is_causal=False, over {GATHERED}"
 
 
-__all__ = ["PAGED_ENTRY", "engine_call_accounts"]
+__all__ = ["PAGED_ENTRY", "SINKS_VARIANT", "engine_call_accounts"]
