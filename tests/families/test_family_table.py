@@ -1,6 +1,7 @@
 """docs/families.md holds the table `python -m optimum.habana.families` prints, and README.md and docs/attention.md its
 summary by variant: generated from the code, not written."""
 
+import json
 import re
 
 import pytest
@@ -34,3 +35,46 @@ def test_one_row_and_an_unknown_model_type(capsys):
         families.main(["--model_type", "nope"])
     assert exit_status.value.code == 2
     assert "--model_type 'nope' is no causal-LM model type of transformers" in capsys.readouterr().err
+
+
+DAMAGES = {
+    "null": "null",
+    "a list": "[]",
+    "empty": "",
+    "truncated": '{"llama": {"model_type": "llama", "class_na',
+    "a report that is null": '{"llama": null}',
+    "a flag of the wrong type": "qualifies",
+    "a list of numbers": "variants",
+    "a missing field": "reason",
+    "another family's report": "model_type",
+}
+
+
+@pytest.mark.parametrize("damage", list(DAMAGES))
+def test_a_damaged_family_table_is_worked_out_again(damage, tmp_path, monkeypatch):
+    """Any content the stored table cannot be read from is replaced by the table worked out again, in the same call:
+    never a traceback, never a half-read report."""
+    from optimum.habana.transformers.models import registry
+    from optimum.habana.utils.model_loading import CACHE_ENV_VAR
+
+    monkeypatch.setenv(CACHE_ENV_VAR, str(tmp_path))
+    monkeypatch.setattr(registry, "causal_lm_model_types", lambda: ("llama", "gpt_oss"))
+    registry._family_table.cache_clear()
+    try:
+        good = registry.family_table()
+        (path,) = (tmp_path / "families").glob("*.json")
+        stored = json.loads(path.read_text(encoding="utf-8"))
+        text = DAMAGES[damage]
+        if text in ("qualifies", "variants", "reason", "model_type"):
+            damaged = json.loads(json.dumps(stored))
+            if text == "reason":
+                del damaged["llama"]["reason"]
+            else:
+                damaged["llama"][text] = {"qualifies": "yes", "variants": [1, 2], "model_type": "gpt_oss"}[text]
+            text = json.dumps(damaged)
+        path.write_text(text, encoding="utf-8")
+        registry._family_table.cache_clear()
+        assert registry.family_table() == good
+        assert json.loads(path.read_text(encoding="utf-8")) == stored  # rewritten whole
+    finally:
+        registry._family_table.cache_clear()

@@ -34,9 +34,11 @@ def _family_table() -> tuple[tuple[str, FamilyReport], ...]:
     path = cache_root() / "families" / f"{_fingerprint()}.json"
     try:
         stored = json.loads(path.read_text(encoding="utf-8"))
-        return tuple((model_type, _report_from_json(fields)) for model_type, fields in stored.items())
+        if not isinstance(stored, dict):
+            raise TypeError(f"a table of reports, not {type(stored).__name__}")
+        return tuple((model_type, _report_from_json(model_type, fields)) for model_type, fields in stored.items())
     except (OSError, ValueError, TypeError, KeyError):
-        pass  # not worked out yet for this transformers (or damaged): work it out again
+        pass  # not worked out yet for this transformers (or damaged: any content it cannot read): work it out again
     table = tuple((model_type, family_report(model_type)) for model_type in causal_lm_model_types())
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -46,9 +48,29 @@ def _family_table() -> tuple[tuple[str, FamilyReport], ...]:
     return table
 
 
-def _report_from_json(fields: dict) -> FamilyReport:
-    lists = ("variants", "attention_classes")
-    return FamilyReport(**{name: tuple(value) if name in lists else value for name, value in fields.items()})
+# A stored report's fields and the JSON types each must have (a tuple's items are strings).
+_STORED_FIELDS = {
+    "model_type": str,
+    "class_name": str,
+    "qualifies": bool,
+    "reason": str,
+    "variants": list,
+    "mask_free": bool,
+    "attention_classes": list,
+    "calls_per_attention": int,
+}
+
+
+def _report_from_json(model_type: str, fields: object) -> FamilyReport:
+    """A stored report, every field of its type; a TypeError for anything else (a damaged file is worked out
+    again, never half read)."""
+    if not isinstance(fields, dict) or fields.keys() != _STORED_FIELDS.keys() or fields["model_type"] != model_type:
+        raise TypeError(f"the stored report of {model_type!r} is not a report")
+    for name, kind in _STORED_FIELDS.items():
+        value = fields[name]
+        if type(value) is not kind or (kind is list and not all(isinstance(item, str) for item in value)):
+            raise TypeError(f"the stored report of {model_type!r} has {name}={value!r}")
+    return FamilyReport(**{name: tuple(value) if type(value) is list else value for name, value in fields.items()})
 
 
 def _fingerprint() -> str:
