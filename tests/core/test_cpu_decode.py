@@ -419,13 +419,38 @@ def library_files(folder):
 
 @needs_kernel
 @pytest.mark.parametrize(
-    "damage", ["cut short after a valid header", "text", "empty", "another build's library"], ids=str
-)
+    "damage",
+    [
+        "cut short after a valid header", "text", "empty", "another build's library", "unreadable (another user's)",
+        "its record gone",
+    ],
+    ids=str,
+)  # fmt: skip
 def test_a_damaged_library_is_built_again_never_loaded(fresh_build, monkeypatch, tmp_path, damage):
     """A damaged library in the cache folder was handed to dlopen (SIGBUS at the first decode step, or a warning in
     every process and the kernel off for good): its record no longer matches, and it is built again, silently."""
     assert cpu_decode.decode_kernel(64) is not None
     (library,) = library_files(fresh_build)
+    if damage in ("unreadable (another user's)", "its record gone"):
+        if damage == "its record gone":
+            library.with_name(library.name + ".sha256").unlink()
+        else:  # this test runs as any user, root included: the read is refused as it would be for another user
+            read_bytes = Path.read_bytes
+            refused = library
+
+            def refusing(path):
+                if path == refused:
+                    raise PermissionError(13, "Permission denied", str(path))
+                return read_bytes(path)
+
+            monkeypatch.setattr(Path, "read_bytes", refusing)
+        cpu_decode.decode_kernel.cache_clear()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert cpu_decode.decode_kernel(64) is not None
+        monkeypatch.undo()
+        assert library.with_name(library.name + ".sha256").exists()
+        return
     if damage == "cut short after a valid header":
         damaged = library.read_bytes()[:3000]
     elif damage == "text":
