@@ -28,7 +28,7 @@ from transformers import DataCollatorWithFlattening
 
 from optimum.habana.cli.benchmarks.models import PRESETS, ModelSpec, build_model
 from optimum.habana.cli.benchmarks.workers import ratio
-from optimum.habana.cli.common import exit_on_interrupt_or_oom
+from optimum.habana.cli.common import check_environment, exit_on_interrupt_or_oom
 from optimum.habana.utils.devices import memory_stats, reset_peak_memory
 
 
@@ -53,6 +53,7 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--timeout", type=float, default=1800.0, help="Seconds per path; past it: timeout.")
     parser.add_argument("--worker", choices=PATHS, help=argparse.SUPPRESS)
     arguments = parser.parse_args(argv)
+    check_environment(parser.prog)
     for name in ("layers", "intermediate_size", "examples", "example_tokens"):
         if getattr(arguments, name) < 1:
             parser.error(f"--{name} must be at least 1, got {getattr(arguments, name)}.")

@@ -44,7 +44,7 @@ from optimum.habana.cli.benchmarks.models import PRESETS, ModelSpec, checkpoint_
 from optimum.habana.cli.benchmarks.tables import GB, kept
 from optimum.habana.cli.benchmarks.training.report import PLOT_FILE, RESULT_FILES, markdown_report, write_results
 from optimum.habana.cli.benchmarks.workers import memory_budget_bytes, ratio
-from optimum.habana.cli.common import OutputDirError, exit_on_interrupt_or_oom, writable_folder
+from optimum.habana.cli.common import OutputDirError, check_environment, exit_on_interrupt_or_oom, writable_folder
 from optimum.habana.utils.model_loading import DEFAULT_MODEL_NAME
 
 
@@ -122,6 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def parse_arguments(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
     arguments = parser.parse_args(argv)
+    check_environment(parser.prog)
     try:
         validate_arguments(arguments)
     except ValueError as error:

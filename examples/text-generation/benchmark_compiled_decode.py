@@ -30,7 +30,7 @@ from optimum.habana.cli.benchmarks.compiled_decode import (
     read_bandwidth_bytes_per_second,
     weight_gemv_seconds,
 )
-from optimum.habana.cli.common import exit_on_interrupt_or_oom
+from optimum.habana.cli.common import check_environment, exit_on_interrupt_or_oom
 from optimum.habana.cli.generation.prompts import DEFAULT_PROMPTS, prompts_for_batch
 from optimum.habana.utils.model_loading import resolve_model
 
@@ -50,6 +50,7 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--threads", type=int, default=None, help="Torch threads (default: torch's).")
     arguments = parser.parse_args(argv)
+    check_environment(parser.prog)
     if arguments.max_new_tokens < 2:
         parser.error(
             f"--max_new_tokens must be at least 2 (a decode step after the first token), got {arguments.max_new_tokens}."

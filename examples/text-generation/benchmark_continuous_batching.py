@@ -32,7 +32,7 @@ from optimum.habana.cli.benchmarks import workers
 from optimum.habana.cli.benchmarks.continuous_batching.worker import PATHS
 from optimum.habana.cli.benchmarks.tables import GB, kept, markdown_file
 from optimum.habana.cli.benchmarks.workers import ratio
-from optimum.habana.cli.common import OutputDirError, exit_on_interrupt_or_oom, writable_folder
+from optimum.habana.cli.common import OutputDirError, check_environment, exit_on_interrupt_or_oom, writable_folder
 from optimum.habana.utils.atomic import atomic_write_text
 from optimum.habana.utils.model_loading import ModelResolutionError, resolve_model
 
@@ -217,6 +217,7 @@ def fmt(value: float | None) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = HfArgumentParser(Arguments, prog=PROG, description=__doc__.split("\n\n")[1])
     (arguments,) = parser.parse_args_into_dataclasses(args=argv)
+    check_environment(parser.prog)
     try:
         check(arguments)
     except (ValueError, OutputDirError, ModelResolutionError) as error:

@@ -42,7 +42,7 @@ from optimum.habana.cli.benchmarks.long_context_decode import (
     set_malloc_thresholds,
 )
 from optimum.habana.cli.benchmarks.models import PRESETS, ModelSpec
-from optimum.habana.cli.common import exit_on_interrupt_or_oom
+from optimum.habana.cli.common import check_environment, exit_on_interrupt_or_oom
 from optimum.habana.utils.devices import model_size_bytes
 from optimum.habana.utils.model_loading import DEFAULT_MODEL_NAME
 
@@ -108,6 +108,7 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=None, help="Torch threads (default: torch's).")
     arguments = parser.parse_args(argv)
+    check_environment(parser.prog)
     for name in ("steps", "rounds", "preset_layers", "preset_intermediate_size"):
         if getattr(arguments, name) < 1:
             parser.error(f"--{name} must be at least 1, got {getattr(arguments, name)}.")

@@ -214,7 +214,7 @@ def test_the_switch_reads_the_usual_words(monkeypatch, value, on):
 def test_a_switch_value_that_is_neither_is_an_error_naming_it(monkeypatch):
     monkeypatch.setenv(cpu_decode.ENV_VAR, "fast")
     query, key, value = decode_inputs(1, 2, 2, 300, 64)
-    with pytest.raises(ValueError, match="OPTIMUM_HABANA_CPU_DECODE_KERNEL='fast': set it to 0 to turn"):
+    with pytest.raises(ValueError, match="OPTIMUM_HABANA_CPU_DECODE_KERNEL='fast' is neither on nor off: set it to 0"):
         fused_sdpa(query, key, value, None, is_causal=False, scale=None)
 
 

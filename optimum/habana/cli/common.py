@@ -26,6 +26,7 @@ from typing import Any
 import torch
 import transformers
 
+from optimum.habana.kernels.cpu_decode import turned_on as cpu_decode_kernel_on
 from optimum.habana.transformers.attention_flags import AttentionFlags
 from optimum.habana.utils.staging import remove_stale_staging
 from optimum.habana.version import __version__
@@ -75,6 +76,17 @@ def check_finite_numbers(*arguments: object) -> None:
             for item in values:
                 if isinstance(item, float) and not math.isfinite(item):
                     raise ValueError(f"--{name} must be a finite number, got {item}.")
+
+
+def check_environment(prog: str) -> None:
+    """The library's environment switches, read right after parsing: a bad value is the script's usage error (one
+    line naming the variable and its values, exit 2) before any model loads, not a traceback at the first decode
+    step."""
+    try:
+        cpu_decode_kernel_on()
+    except ValueError as error:
+        sys.stderr.write(f"{prog}: error: {error}\n")
+        sys.exit(2)
 
 
 def check_seed(value: int | None, flag: str = "--seed") -> None:

@@ -136,7 +136,10 @@ def _switch(value: str) -> bool:
         return True
     if word in ("0", "false", "off", "no"):
         return False
-    raise ValueError(f"{ENV_VAR}={value!r}: set it to 0 to turn the CPU decode kernel off, or 1 (the default)")
+    raise ValueError(
+        f"{ENV_VAR}={value!r} is neither on nor off: set it to 0 (or false, off, no) to turn the CPU decode kernel "
+        "off, or to 1 (or true, on, yes; the default)"
+    )
 
 
 def _mask_fits(attn_mask: torch.Tensor, shape: tuple[int, ...]) -> bool:

@@ -10,7 +10,7 @@ from typing import Any, NoReturn
 import torch
 from transformers import HfArgumentParser, TrainingArguments
 
-from optimum.habana.cli.common import AttentionArguments, check_finite_numbers, check_seed
+from optimum.habana.cli.common import AttentionArguments, check_environment, check_finite_numbers, check_seed
 from optimum.habana.cli.compile_backend import check_compile_backend
 from optimum.habana.utils.distributed import launch_environment
 
@@ -226,6 +226,7 @@ def parse_arguments(parser: HfArgumentParser, argv: list[str]) -> Arguments:
     otherwise speak before the unknown arguments of a command line written for another tool.
     """
     as_given, unknown = parser.parse_known_args(argv)
+    check_environment(parser.prog)
     problems = [f"unrecognized arguments: {' '.join(unknown)}"] if unknown else []
     notes: list[str] = []
     try:  # before TrainingArguments, which reads the DeepSpeed and FSDP files in its constructor

@@ -17,7 +17,7 @@ from transformers import (
 
 from optimum.habana import hpu
 from optimum.habana.cli import compile_backend
-from optimum.habana.cli.common import AttentionArguments, check_finite_numbers, check_seed
+from optimum.habana.cli.common import AttentionArguments, check_environment, check_finite_numbers, check_seed
 from optimum.habana.utils.devices import DEVICE_CHOICES, default_dtype, resolve_device, slow_bf16_note
 
 from .continuous_batching import GENERATE_CACHE_FLAGS
@@ -311,6 +311,7 @@ def parse_arguments(parser: HfArgumentParser, argv: Sequence[str] | None) -> Scr
     )
     if remaining:
         usage_error(parser, f"unrecognized arguments: {' '.join(remaining)}")
+    check_environment(parser.prog)
     arguments = ScriptArguments(*groups)
     try:
         validate_arguments(arguments)

@@ -17,6 +17,7 @@ from typing import Annotated, Any
 
 import typer
 
+from optimum.habana.cli.common import check_environment
 from optimum.habana.transformers.attention_flags import ATTENTION_FLAG_HELP, ATTENTION_FLAG_NAMES
 from optimum.habana.utils.model_loading import DEFAULT_MODEL_NAME
 
@@ -125,6 +126,7 @@ def main(argv: list[str] | None = None) -> None:
 
         sys.exit(f"optimum.habana.serve needs transformers' serving dependencies: {SERVING_INSTALL_HINT}")
     parser = typer.main.get_command(command())
+    check_environment("optimum.habana.serve")
     try:
         status = parser.main(args=sys.argv[1:] if argv is None else argv, prog_name=PROG, standalone_mode=False)
     except typer.Abort:

@@ -8,6 +8,7 @@ from typing import NoReturn
 from transformers import HfArgumentParser
 
 from optimum.habana.cli.benchmarks.models import PRESETS
+from optimum.habana.cli.common import check_environment
 from optimum.habana.utils.devices import DEVICE_CHOICES
 from optimum.habana.utils.model_loading import DEFAULT_MODEL_NAME
 
@@ -116,6 +117,7 @@ def usage_error(parser: HfArgumentParser, message: str) -> NoReturn:
 
 def parse_arguments(parser: HfArgumentParser, argv: Sequence[str] | None) -> BenchmarkArguments:
     (arguments,) = parser.parse_args_into_dataclasses(args=None if argv is None else list(argv))
+    check_environment(parser.prog)
     try:
         validate_arguments(arguments)
     except ValueError as error:

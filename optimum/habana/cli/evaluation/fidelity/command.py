@@ -20,6 +20,7 @@ from transformers import AutoConfig, HfArgumentParser
 from optimum.habana.cli.common import (
     LONG_PROMPT_PATH,
     OutputDirError,
+    check_environment,
     environment_versions,
     exit_on_interrupt_or_oom,
     hardware,
@@ -151,6 +152,7 @@ def usage_error(parser: HfArgumentParser, message: str) -> NoReturn:
 
 def parse_arguments(parser: HfArgumentParser, argv: Sequence[str] | None) -> FidelityArguments:
     (arguments,) = parser.parse_args_into_dataclasses(args=None if argv is None else list(argv))
+    check_environment(parser.prog)
     defaults = QUICK_DEFAULTS if arguments.quick else FULL_DEFAULTS
     for name, value in defaults.items():
         if getattr(arguments, name) is None:

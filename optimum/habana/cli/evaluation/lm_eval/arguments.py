@@ -15,7 +15,13 @@ from typing import Any
 import torch
 from transformers import HfArgumentParser
 
-from optimum.habana.cli.common import AttentionArguments, check_finite_numbers, json_object, writable_folder
+from optimum.habana.cli.common import (
+    AttentionArguments,
+    check_environment,
+    check_finite_numbers,
+    json_object,
+    writable_folder,
+)
 from optimum.habana.cli.generation.arguments import (
     SAMPLING_ARGUMENTS,
     ExecutionArguments,
@@ -147,6 +153,7 @@ def parse_arguments(parser: HfArgumentParser, argv: Sequence[str] | None) -> tup
     )
     if remaining:
         usage_error(parser, f"unrecognized arguments: {' '.join(remaining)}")
+    check_environment(parser.prog)
     arguments = LmEvalScriptArguments(ScriptArguments(*groups), evaluation)
     try:
         validate_arguments(arguments.script)
