@@ -119,3 +119,56 @@ def test_bad_arguments_are_usage_errors(argv):
     with pytest.raises(SystemExit) as exit_info:
         load_script(SCRIPT).main(argv)
     assert exit_info.value.code == 2
+
+
+@pytest.mark.parametrize(
+    ("argv", "words"),
+    [
+        (["--threads", "0"], "--threads must be at least 1, got 0"),
+        (["--threads", "-1"], "--threads must be at least 1, got -1"),
+        (
+            ["--model_name_or_path", "gpt-oss-20-attn"],
+            "did you mean 'gpt-oss-20b-attn'? The presets are llama2-7b-attn",
+        ),
+        (["--model_name_or_path", "missing/folder/"], "The path 'missing/folder/' does not exist"),
+    ],
+)
+def test_threads_and_model_names_are_checked_before_anything_loads(argv, words, capsys, monkeypatch):
+    from optimum.habana.cli.benchmarks import long_context_decode
+
+    def nothing_loads(*args, **kwargs):
+        raise AssertionError("a model was built")
+
+    monkeypatch.setattr(long_context_decode, "build_model", nothing_loads)
+    with pytest.raises(SystemExit) as exit_info:
+        load_script(SCRIPT).main(argv)
+    assert exit_info.value.code == 2
+    assert words in capsys.readouterr().err
+
+
+def test_a_context_cost_within_the_rounds_spread_is_printed_as_noise(capsys, monkeypatch):
+    """A context cost the rounds' spread covers (here: every step at the context made faster than at 64 tokens) is
+    printed as noise with its size, and its ratio to the KV read as "-": never a negative cost."""
+    from optimum.habana.cli.benchmarks import long_context_decode
+
+    measure = long_context_decode.measure_shape
+
+    def faster_at_the_context(*args, **kwargs):
+        timings = measure(*args, **kwargs)
+        for timing in timings.values():
+            timing.long_steps = [step / 2 for step in timing.base_steps]
+        return timings
+
+    script = load_script(SCRIPT)
+    monkeypatch.setattr(script, "measure_shape", faster_at_the_context)
+    argv = [*SMALL, "--shapes", "1x96", "--steps", "2", "--rounds", "2", "--no-random_cache"]
+    assert script.main(argv) == 0
+    header, *rows = table_rows(capsys.readouterr().out)
+    for row in rows:
+        assert row[header.index("context cost [ms]")].startswith("below noise (")
+        assert row[header.index("cost / KV read")] == "-"
+    timing = long_context_decode.PathTiming(long_steps=[0.010, 0.011], base_steps=[0.004, 0.0045])
+    assert timing.context_cost_measured and timing.noise == pytest.approx(0.001)
+    assert not long_context_decode.PathTiming(
+        long_steps=[0.010, 0.014], base_steps=[0.008, 0.009]
+    ).context_cost_measured

@@ -72,6 +72,16 @@ class PathTiming:
     def context_cost(self) -> float:
         return self.long_step - statistics.median(self.base_steps)
 
+    @property
+    def noise(self) -> float:
+        """The spread of the rounds' median steps, at either context: a context cost within it is not measured (with
+        one round nothing says how large it is: only a cost above zero counts)."""
+        return max((max(steps) - min(steps) for steps in (self.long_steps, self.base_steps)), default=0.0)
+
+    @property
+    def context_cost_measured(self) -> bool:
+        return self.context_cost > self.noise
+
 
 def decode_paths(
     spec: ModelSpec, dtype: torch.dtype, seed: int, pytorch_kernel: bool = False, whole_context: bool = False

@@ -8,7 +8,9 @@ The floor is the same model with each attention call replaced by a pass-through 
 the rest of the forward costs, which no attention implementation can go below.
 """
 
+import difflib
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -19,7 +21,7 @@ from transformers.masking_utils import AttentionMaskInterface
 
 from optimum.habana.transformers.families.qualification import family_report
 from optimum.habana.transformers.models import gaudi_model_class
-from optimum.habana.utils.model_loading import DEFAULT_MODEL_NAME, resolve_model
+from optimum.habana.utils.model_loading import DEFAULT_MODEL_NAME, ModelResolutionError, resolve_model
 
 
 FLOOR_ATTENTION = "benchmark_floor"
@@ -130,6 +132,21 @@ def preset_config(spec: ModelSpec) -> PreTrainedConfig:
 def checkpoint_path(name: str) -> Any:
     """The loadable folder for a non-preset model name; DEFAULT_MODEL_NAME is the embedded SmolLM2."""
     return resolve_model(None if name == DEFAULT_MODEL_NAME else name).path
+
+
+def resolve_checkpoint(name: str) -> Path:
+    """The model's folder; a name that is no model but close to a preset (a typo) is told the presets first."""
+    try:
+        return checkpoint_path(name)
+    except ModelResolutionError as error:
+        close = difflib.get_close_matches(name, PRESETS, n=1, cutoff=0.75)
+        if not close and not name.endswith("-attn"):
+            raise
+        guess = f"did you mean {close[0]!r}? " if close else ""
+        raise ModelResolutionError(
+            f"--model_name_or_path {name!r} is not a preset: {guess}The presets are {', '.join(PRESETS)}. "
+            f"(As a model it could not be found: {error})"
+        ) from None
 
 
 def build_model(spec: ModelSpec, path: str, dtype: torch.dtype, seed: int) -> nn.Module:

@@ -6,19 +6,17 @@ order that alternates from row to row, so a drifting machine affects them alike.
 comes from the same run of this script.
 """
 
-import difflib
 import statistics
 import sys
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 from tqdm import tqdm
 from transformers import AutoConfig, HfArgumentParser
 
-from optimum.habana.cli.benchmarks.models import PRESETS, ModelSpec, checkpoint_path
+from optimum.habana.cli.benchmarks.models import PRESETS, ModelSpec, resolve_checkpoint
 from optimum.habana.cli.benchmarks.tables import GB, kept, markdown_table
 from optimum.habana.cli.benchmarks.workers import memory_budget_bytes, ratio, run_worker
 from optimum.habana.cli.common import OutputDirError, exit_on_interrupt_or_oom, writable_folder
@@ -57,21 +55,6 @@ def check_models(arguments: BenchmarkArguments) -> list[ModelSpec]:
                 )
         specs.append(spec)
     return specs
-
-
-def resolve_checkpoint(name: str) -> Path:
-    """The model's folder; a name that is no model but close to a preset (a typo) is told the presets first."""
-    try:
-        return checkpoint_path(name)
-    except ModelResolutionError as error:
-        close = difflib.get_close_matches(name, PRESETS, n=1, cutoff=0.75)
-        if not close and not name.endswith("-attn"):
-            raise
-        guess = f"did you mean {close[0]!r}? " if close else ""
-        raise ModelResolutionError(
-            f"--model_name_or_path {name!r} is not a preset: {guess}The presets are {', '.join(PRESETS)}. "
-            f"(As a model it could not be found: {error})"
-        ) from None
 
 
 def grid(specs: Sequence[ModelSpec], arguments: BenchmarkArguments) -> list[Row]:
