@@ -234,10 +234,10 @@ async def one_request(session: aiohttp.ClientSession, base: str, kind: str, args
     data = json.dumps(body).encode()  # Python's escapes: a lone surrogate travels as \ud800
     start = time.monotonic()
     async with session.post(f"{base}{path}", data=data, headers={"Content-Type": "application/json"}) as response:
-        if kind == "abandon":
+        if kind == "abandon" and response.status == 200:
             await response.content.readline()  # the first chunk, then the client goes away
             response.close()
-            return {"kind": kind, "status": response.status, "ok": response.status == 200, "latency": None}
+            return {"kind": kind, "status": response.status, "ok": True, "latency": None}
         text = await response.text()
     latency = time.monotonic() - start
     if kind == "bad":
@@ -317,6 +317,10 @@ def percentile(values: list[float], share: float) -> float | None:
     return ordered[min(len(ordered) - 1, int(share * len(ordered)))]
 
 
+class RefusedSettings(ValueError):
+    """The server refuses the good requests these settings make: a usage error, found before the measured run."""
+
+
 async def run(args: argparse.Namespace) -> dict:
     log = Path(args.output or "load_test").with_suffix(".server.log")
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=30)
@@ -326,6 +330,14 @@ async def run(args: argparse.Namespace) -> dict:
         async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
             server, base = await start_healthy_server(session, args, log)
             rng = random.Random(args.seed)
+            # One good request first: one the server refuses (--max-tokens past the model's context, say) would make
+            # every good request of the run a refusal.
+            probe = await one_request(session, base, "chat", args, rng)
+            if probe["status"] is not None and 400 <= probe["status"] < 500:
+                raise RefusedSettings(
+                    f"the server refuses a good request with --max-tokens {args.max_tokens} "
+                    f"({probe['status']}: {probe['why']}): lower --max-tokens"
+                )
             for index in range(args.warmup):
                 await one_request(session, base, ("chat", "stream", "completion", "response")[index % 4], args, rng)
             warm = resident_mib(server)
@@ -400,6 +412,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted: the server was stopped.", file=sys.stderr)
         return 130
+    except RefusedSettings as error:
+        print(f"{PROG}: error: {error}", file=sys.stderr)
+        return 2
     except RuntimeError as error:
         print(f"{PROG}: error: {error}", file=sys.stderr)
         return 1

@@ -129,3 +129,38 @@ def test_a_port_taken_before_the_server_binds_it_is_replaced(load_test, taken, t
     finally:
         load_test.stop_server(server)
     assert server.poll() is not None
+
+
+REFUSING = HEALTHY.replace(
+    "    def log_message",
+    """    def do_POST(self):
+        self.rfile.read(int(self.headers["Content-Length"]))
+        body = b'{{"error": {{"message": "max_tokens 100000 exceeds the model\\'s context of 8192 tokens"}}}}'
+        self.send_response(400)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message""",
+)
+
+
+def test_settings_the_server_refuses_stop_the_test_before_its_run_with_the_reason(
+    load_test, tmp_path, monkeypatch, capsys
+):
+    """--max-tokens past the model's context: the first good request is refused, and the load test says so in one
+    line with the server's reason, exit 2 (a KeyError 'why' from the abandoned streams' refusals before)."""
+    monkeypatch.setattr(
+        load_test,
+        "start_server",
+        lambda args, port, log: subprocess.Popen(
+            [sys.executable, "-c", REFUSING.format(port=port)], stderr=log.open("w")
+        ),
+    )
+    monkeypatch.chdir(tmp_path)
+    assert load_test.main(["--max-tokens", "100000", "--clients", "2", "--duration", "1"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines == [
+        "load_test.py: error: the server refuses a good request with --max-tokens 100000 (400: max_tokens 100000 "
+        "exceeds the model's context of 8192 tokens): lower --max-tokens"
+    ]
