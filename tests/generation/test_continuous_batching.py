@@ -203,3 +203,15 @@ def test_explain_says_what_the_engine_steps_do(flag, switch, script, tiny_checkp
         run(script, tiny_checkpoint, tmp_path, *argv)
     assert (PAGED_ENTRY in decode_lines) == bool(in_place), text
     assert ("default path" in text) == bool(counts["default"]), text
+
+
+@pytest.mark.parametrize("batch_size", ["1", "5"])
+def test_explain_counts_the_requests_the_run_serves(batch_size, script, tiny_checkpoint, tmp_path):
+    """Three prompts: the engine serves each as a request, cycled up to --batch_size; --explain counts the same (it
+    said "1 prompt(s)" with the default --batch_size 1 before)."""
+    argv = ["--prompt", *PROMPTS, "--batch_size", batch_size, "--max_new_tokens", "2", "--continuous_batching"]
+    text = explain(parse(tiny_argv(tiny_checkpoint, *argv)))
+    results = run(script, tiny_checkpoint, tmp_path, *argv)
+    assert f"Requests: {results['stats']['requests']} prompt(s) of up to" in text
+    assert results["stats"]["requests"] == max(3, int(batch_size))
+    assert ("--batch_size 1 with --continuous_batching" in text) == (batch_size == "1")

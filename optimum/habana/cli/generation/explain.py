@@ -36,6 +36,7 @@ from optimum.habana.utils.model_loading import (
 )
 
 from .arguments import ExecutionArguments, ScriptArguments, WorkloadArguments, flag_notes, resolve_execution
+from .continuous_batching import batch_size_note, request_prompts
 from .explain_engine import SINKS_VARIANT, engine_call_accounts
 from .explain_graphs import graph_accounts
 from .generation_config import kv_cache_layout
@@ -81,7 +82,10 @@ def explain(arguments: ScriptArguments) -> str:
         check_adapter_matches(adapter, model, "--peft_model")
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    prompts = prompts_for_batch(prompt_pool(workload), workload.batch_size)
+    engine = arguments.execution.continuous_batching
+    # The engine serves every prompt of the pool as its own request (cycled up to --batch_size); generate() a batch.
+    pool = prompt_pool(workload)
+    prompts = request_prompts(pool, workload.batch_size) if engine else prompts_for_batch(pool, workload.batch_size)
     inputs, _ = tokenize_prompts(
         tokenizer, render_prompts(tokenizer, prompts, workload.chat), workload.max_input_tokens, workload.chat
     )
@@ -95,7 +99,6 @@ def explain(arguments: ScriptArguments) -> str:
     groups = attention_layer_groups(model)
     rows = max(workload.num_beams, 1) * workload.batch_size
 
-    engine = arguments.execution.continuous_batching
     lines = [
         f"Explain (nothing runs; config and tokenizer only): {description}",
         f"Model: {model_class.__name__}, {sum(len(group.indices) for group in groups)} attention layers, "
@@ -108,10 +111,12 @@ def explain(arguments: ScriptArguments) -> str:
     ]
     if engine:
         lines[-2:] = [
-            f"Requests: {workload.batch_size} prompt(s) of up to {input_length} tokens, each its own request in "
+            f"Requests: {len(prompts)} prompt(s) of up to {input_length} tokens, each its own request in "
             f"transformers' continuous batching; up to {workload.max_new_tokens} new tokens each",
             "KV cache: the engine's paged cache (pages shared by every request; no padding)",
         ]
+        if note := batch_size_note(len(pool), workload.batch_size):
+            lines.append(note)
     if adapter:
         kept = adapter_config["peft_type"] == "ADAPTION_PROMPT"  # cannot be merged into weights
         lines.append(
