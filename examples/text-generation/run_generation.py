@@ -278,6 +278,15 @@ def generate_continuously(arguments, parser, model, tokenizer, requests, prompts
             generation_config=generation_config,
         )
         print(f"Results written to {write_results(arguments.output.output_dir, results)}")
+    failed = [request for run in runs for request in run.requests if request.error is not None]
+    if failed:  # the others' results are printed and kept above; the run did not do all it was asked
+        first = failed[0]
+        print(
+            f"{parser.prog}: error: {len(failed)} of {sum(len(run.requests) for run in runs)} requests failed "
+            f"(request {first.request_id}: {first.error}).",
+            file=sys.stderr,
+        )
+        return 1
     return 0
 
 

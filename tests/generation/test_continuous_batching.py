@@ -215,3 +215,34 @@ def test_explain_counts_the_requests_the_run_serves(batch_size, script, tiny_che
     assert f"Requests: {results['stats']['requests']} prompt(s) of up to" in text
     assert results["stats"]["requests"] == max(3, int(batch_size))
     assert ("--batch_size 1 with --continuous_batching" in text) == (batch_size == "1")
+
+
+def test_a_failed_request_is_one_line_and_a_failing_exit_with_the_others_results_kept(
+    script, tiny_checkpoint, tmp_path, monkeypatch, capsys
+):
+    """A request that fails inside the engine (a stand-in: the forward raises on a step holding one prompt's token)
+    is reported in one line naming it and its error, exit 1; the results of the run are written (exit 0 before)."""
+    from transformers import AutoTokenizer
+
+    from optimum.habana import GaudiLlamaForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_checkpoint)
+    others = {token for prompt in PROMPTS[:2] for token in tokenizer(prompt)["input_ids"]}
+    poison = next(token for token in tokenizer(PROMPTS[2])["input_ids"] if token not in others)
+    forward = GaudiLlamaForCausalLM.forward
+
+    def forward_or_fail(self, *args, **kwargs):
+        if (kwargs.get("input_ids") == poison).any():
+            raise RuntimeError("poisoned step")
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(GaudiLlamaForCausalLM, "forward", forward_or_fail)
+    output_dir = tmp_path / "out"
+    argv = tiny_argv(tiny_checkpoint, "--prompt", *PROMPTS, "--max_new_tokens", "3", "--continuous_batching")
+    assert script.main([*argv, "--output_dir", str(output_dir)]) == 1
+    errors = [line for line in capsys.readouterr().err.splitlines() if "run_generation.py: error:" in line]
+    assert len(errors) == 1 and "requests failed (request req_" in errors[0] and "poisoned step" in errors[0]
+    results = json.loads((output_dir / "results.json").read_text())
+    failed = [request for request in results["stats"]["per_request"] if request["error"]]
+    assert failed and all(request["error"] == "poisoned step" for request in failed)
+    assert results["stats"]["failed_requests"] == len(failed) < 3  # the others were served
