@@ -4,6 +4,7 @@ answers the next good request. Also the published schema: every field of the gen
 and range.
 """
 
+import http.client
 import json
 import urllib.request
 
@@ -153,6 +154,18 @@ def test_each_refusal_names_its_real_cause(server):
     for content_type in ("text/plain", "application/x-www-form-urlencoded"):
         code, answer, _ = server.post(CHAT, json.dumps(chat()).encode(), headers={"Content-Type": content_type})
         assert code == 415 and f"Content-Type {content_type!r}" in answer["error"]["message"], answer
+    for missing in (None, ""):  # no header at all (urllib would add a form's), or an empty one
+        connection = http.client.HTTPConnection(server.base_url.removeprefix("http://"), timeout=30)
+        connection.putrequest("POST", CHAT, skip_accept_encoding=True)
+        body = json.dumps(chat()).encode()
+        connection.putheader("Content-Length", str(len(body)))
+        if missing is not None:
+            connection.putheader("Content-Type", missing)
+        connection.endheaders(body)
+        response = connection.getresponse()
+        answer = json.loads(response.read())
+        connection.close()
+        assert response.status == 415 and "without a Content-Type header" in answer["error"]["message"], answer
     for body, words in (
         (b"[" * 50_000 + b"]" * 50_000, "nest deeper than the parser allows"),
         (b'{"messages": [], "max_tokens": ' + b"9" * 5000 + b"}", "an integer of more than 4300 digits"),

@@ -101,10 +101,14 @@ def is_json(content_type: str) -> bool:
 
 async def body_error(request: Request, error: RequestValidationError) -> JSONResponse:
     """A body its request model refuses: a 4xx naming the field (`checks.openai_error`); 415 for a body sent as
-    another content type than JSON (FastAPI hands it over unread)."""
+    another content type than JSON, or without one (FastAPI hands either over unread)."""
     content_type = request.headers.get("content-type")
+    message = None
     if content_type and not is_json(content_type):
         message = f"The request body was sent as Content-Type {content_type!r}: send it as JSON (application/json)."
+    elif not content_type and await request.body():
+        message = "The request body was sent without a Content-Type header: send it as JSON (application/json)."
+    if message is not None:
         logger.warning("Refused (415): %s", message)
         return JSONResponse(error_body(message, 415, None, "unsupported_media_type"), status_code=415)
     model = BODIES.get(GENERATION_PATHS.get(request.url.path, ""))
