@@ -47,9 +47,13 @@ def test_a_backend_needs_torch_compile(script, capsys, monkeypatch, tmp_path):
     assert line.endswith("--torch_compile_backend eager picks torch.compile's backend: add --torch_compile.")
 
 
-def test_an_unknown_backend_is_named(script, capsys, monkeypatch, tmp_path):
+def test_an_unknown_backend_is_named_and_the_user_facing_ones_offered(script, capsys, monkeypatch, tmp_path):
     line = refused(script, ["--torch_compile", "--torch_compile_backend", "inductr"], capsys, monkeypatch, tmp_path)
-    assert "--torch_compile_backend inductr is not a torch.compile backend" in line and "inductor" in line
+    assert "--torch_compile_backend inductr is not a torch.compile backend" in line
+    offered = set(line.split("choose one of: ")[1].rstrip(".").split(", "))
+    assert {"inductor", "eager", "aot_eager", "cudagraphs", "hpu_backend"} <= offered
+    # torch's debugging and internal backends are accepted by name but not offered
+    assert not offered & {"invoke_subgraph", "eager_noexcept", "dynamo_minifier_backend", "eager_debug"}, offered
 
 
 def test_torchs_own_backends_are_not_tried_and_a_broken_one_is_named():

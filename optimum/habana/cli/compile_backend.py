@@ -20,9 +20,16 @@ BUILT_IN = ("inductor", "eager", "aot_eager")
 
 def known_backends() -> set[str]:
     """torch.compile's backends (but its own test doubles, made to fail: `relu_compile_error_TESTING_ONLY`), and
-    Gaudi's."""
+    Gaudi's: each is accepted by name."""
     listed = torch._dynamo.list_backends(exclude_tags=())
     return {name for name in listed if not name.endswith("_TESTING_ONLY")} | {hpu.COMPILE_BACKEND}
+
+
+def offered_backends() -> set[str]:
+    """The backends an error message offers: torch's user-facing ones (`list_backends()` leaves out its debugging
+    and experimental ones: the minifiers, `eager_noexcept`, `invoke_subgraph`...), its reference backends `eager`
+    and `aot_eager`, and Gaudi's."""
+    return {*torch._dynamo.list_backends(), "eager", "aot_eager", hpu.COMPILE_BACKEND}
 
 
 def check_compile_backend(backend: str | None, torch_compile: bool, allowed: set[str] | None = None) -> None:
@@ -37,7 +44,7 @@ def check_compile_backend(backend: str | None, torch_compile: bool, allowed: set
         raise ValueError(
             f"--torch_compile_backend {backend} is not a torch.compile backend"
             + ("" if allowed is None else " this script can use")
-            + f"; choose one of: {', '.join(sorted(known))}."
+            + f"; choose one of: {', '.join(sorted(offered_backends() & known))}."
         )
     problem = backend_problem(backend)
     if problem is not None:
@@ -71,4 +78,4 @@ def compile_failure(error: Exception) -> str:
     return f"{type(cause).__name__}: {words}" if words else type(cause).__name__
 
 
-__all__ = ["backend_problem", "check_compile_backend", "compile_failure", "known_backends"]
+__all__ = ["backend_problem", "check_compile_backend", "compile_failure", "known_backends", "offered_backends"]
