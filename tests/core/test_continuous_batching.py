@@ -325,3 +325,38 @@ def test_the_engine_builds_its_dense_mask_only_where_a_path_reads_it(model_type,
     assert by_request(outputs) == expected
     assert bool(built) is builds_mask
     assert ours.config._attn_implementation == "sdpa"  # the user's choice is back once the manager stopped
+
+
+@pytest.mark.parametrize("flag", [True, False])
+def test_a_failed_request_fails_alone_beside_the_requests_of_its_step(flag, monkeypatch):
+    """A request that fails in a step it shares with others (a stand-in: the forward raises on a step holding
+    POISON): it fails with its error, each other request of the step finishes with generate()'s tokens, through
+    `generate_batch` and the streaming manager alike (every request of the step failed with it before)."""
+    ours, _ = models("llama")
+    failing_on_poison(ours, monkeypatch)
+    good = [[token for token in ids if token != POISON] for ids in prompts()]
+    expected = one_by_one(ours, good, use_flash_attention=flag)
+    requests = [good[0], [7, POISON, 9], *good[1:]]
+    config = greedy_config(use_flash_attention=flag)
+    outputs = ours.generate_batch(requests, generation_config=config, continuous_batching_config=small_engine())
+    ordered = [outputs[f"req_{index}"] for index in range(len(requests))]
+    assert ordered[1].status == RequestStatus.FAILED and ordered[1].error == "poisoned step"
+    others = [output for index, output in enumerate(ordered) if index != 1]
+    assert [output.status for output in others] == [RequestStatus.FINISHED] * len(good)
+    assert [output.generated_tokens for output in others] == expected
+    assert [output.prompt_ids for output in others] == good  # reported as sent, though tried again
+
+    manager = ours.init_continuous_batching(generation_config=config, continuous_batching_config=small_engine())
+    manager.start()
+    try:
+        ids = manager.add_requests(requests)
+        done = {}
+        while len(done) < len(ids) and (result := manager.get_result(timeout=10)) is not None:
+            if result.is_finished():
+                done[result.request_id] = result
+        assert manager.is_running()
+    finally:
+        manager.stop(block=True)
+    results = [done[request_id] for request_id in ids]
+    assert results[1].status == RequestStatus.FAILED and results[1].error == "poisoned step"
+    assert [result.generated_tokens for index, result in enumerate(results) if index != 1] == expected

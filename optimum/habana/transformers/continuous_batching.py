@@ -41,6 +41,7 @@ from transformers.generation.continuous_batching.requests import RequestState
 
 from .attention_flags import attention_flags_of
 from .batch_layout import padding_mask_is_all_it_needs
+from .failed_steps import StepIsolation
 from .families.cache_facts import computes_with_cached_states, writes_cache_at_own_index
 from .families.qualification import LATENT, attention_modules_of, family_report
 
@@ -123,9 +124,14 @@ class GaudiContinuousBatchingManager(ContinuousBatchingManager):
     """transformers' manager, presenting a Gaudi model to its engine and checking each request before it queues.
 
     transformers' loop treats an exception in a step's forward as fatal: every request, running or queued, fails,
-    the loop ends, and a server built on it answers 503 from then on. Here a failed step fails the requests it
-    carried (each with the error in its result, its tokens so far kept) and the loop goes on to the next step.
+    the loop ends, and a server built on it answers 503 from then on. Here a failed step fails the request that
+    caused it (the error in its result, its tokens so far kept), found by trying the step's requests one at a time
+    (`failed_steps.py`), and the loop goes on with the others.
     """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._isolation = StepIsolation()
 
     def switch_to_cb_friendly_attn(self, model: Any, auto_switch_to_flash: bool = True) -> None:
         chosen, presented = model.config._attn_implementation, engine_attention(model)
@@ -191,26 +197,31 @@ class GaudiContinuousBatchingManager(ContinuousBatchingManager):
 
     def _generation_loop_body(self, batch_processor: Any, bootstrapping: bool) -> bool:
         try:
-            return super()._generation_loop_body(batch_processor, bootstrapping)
+            going_on = super()._generation_loop_body(batch_processor, bootstrapping)
         except StepFailed as failed:
             if batch_processor.use_async_batching:  # a step in flight beside it: transformers' own handling
                 raise failed.error from failed
             request_ids = [state.state.request_id for state in batch_processor.inputs_and_outputs.requests_in_batch]
+            failed_ids = self._isolation.step_failed(batch_processor, failed.error)
             logger.error(
-                "Requests %s failed in an engine step (%s: %s); the engine goes on with the others.",
+                "An engine step of requests %s failed (%s: %s): %s; the engine goes on with the others.",
                 ", ".join(request_ids),
                 type(failed.error).__name__,
                 failed.error,
+                f"request {failed_ids[0]} failed" if failed_ids else "each is tried again alone to find the cause",
                 exc_info=failed.error,
             )
-            batch_processor.handle_batch_error(failed.error)
             batch_processor.scheduler.block_new_requests = False
             return True
+        self._isolation.step_ran(batch_processor.scheduler)
+        return going_on
 
     def _fail_all_remaining_requests(self, error: Exception, batch_processor: Any) -> None:
         """The requests a hard stop leaves fail with what happened, not the loop's internal status."""
         if str(error).startswith(LOOP_FINISHED):  # the loop's end, not a crash (whose error stays as it is)
             error = RequestInterrupted(INTERRUPTED)
+        for suspect in self._isolation.release_all():  # held out of the scheduler: they fail with the others
+            self.output_router.fail_and_deliver(suspect, error)
         super()._fail_all_remaining_requests(error, batch_processor)
 
 
