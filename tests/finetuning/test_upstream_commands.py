@@ -118,8 +118,19 @@ def test_a_deepspeed_command_runs_in_one_process_with_deepspeed(
     script, checkpoint, tmp_path, caplog, monkeypatch, in_examples_folder
 ):
     argv = script_args(checkpoint, tmp_path, *without_compile(LLAMA3_8B_ZERO1_FP8.split()), "--use_cpu")
-    with count_attention_paths(monkeypatch) as counts:  # DeepSpeed keeps the gradients: run_script cannot record them
-        metrics = script.main(argv)
+    # TrainingArguments and accelerate mark this process as DeepSpeed's (ACCELERATE_USE_DEEPSPEED, the shared
+    # accelerator state): undone after the run, or every later Trainer of this process (and the launchers it starts,
+    # which inherit the environment) would take DeepSpeed beside --fsdp.
+    environment = dict(os.environ)
+    try:
+        with count_attention_paths(monkeypatch) as counts:  # DeepSpeed keeps the gradients: run_script cannot see them
+            metrics = script.main(argv)
+    finally:
+        os.environ.clear()
+        os.environ.update(environment)
+        from accelerate.state import AcceleratorState
+
+        AcceleratorState._reset_state(reset_partial_state=True)
     assert counts["fused"] > 0 and counts["default"] == 0 and metrics["train_loss"] > 0
     assert "DeepSpeed's engine runs on a one-process group" in caplog.text
 
