@@ -24,8 +24,13 @@ SCRIPTS = {
 }
 
 
-@pytest.mark.parametrize("value", ["maybe", "2", ""])
-@pytest.mark.parametrize("script", list(SCRIPTS))
+# Every script with one bad value; run_generation.py with the others too (the check is the same function).
+CASES = [(script, "maybe") for script in SCRIPTS] + [
+    ("examples/text-generation/run_generation.py", v) for v in ("2", "")
+]
+
+
+@pytest.mark.parametrize(("script", "value"), CASES)
 def test_a_bad_switch_value_is_one_line_before_any_model_loads(script, value, monkeypatch, capsys, tmp_path):
     def no_model(*args, **kwargs):
         raise AssertionError("a model was loaded")
