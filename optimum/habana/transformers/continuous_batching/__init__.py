@@ -39,11 +39,11 @@ from transformers.generation.continuous_batching.continuous_api import (
 )
 from transformers.generation.continuous_batching.requests import RequestState
 
-from .attention_flags import attention_flags_of
-from .batch_layout import padding_mask_is_all_it_needs
+from ..attention_flags import attention_flags_of
+from ..batch_layout import padding_mask_is_all_it_needs
+from ..families.cache_facts import computes_with_cached_states, writes_cache_at_own_index
+from ..families.qualification import LATENT, attention_modules_of, family_report
 from .failed_steps import StepIsolation
-from .families.cache_facts import computes_with_cached_states, writes_cache_at_own_index
-from .families.qualification import LATENT, attention_modules_of, family_report
 
 
 logger = logging.getLogger(__name__)
