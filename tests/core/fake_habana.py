@@ -123,6 +123,7 @@ def install(monkeypatch, version: str = "1.18") -> FakeHabana:
     def check_contract(query, key, value, arguments):
         assert query.dim() == key.dim() == value.dim() == 4
         assert query.shape[1] % key.shape[1] == 0, "kv heads must divide query heads"
+        assert query.shape[-1] == key.shape[-1] == value.shape[-1], "one head size: the caller pads latent values"
         mask = arguments["attn_mask"]
         assert mask is None or mask.is_floating_point(), "FusedSDPA takes an additive float mask"
         assert isinstance(arguments["dropout_p"], float)

@@ -135,3 +135,28 @@ def test_fused_sdpa_never_calls_itself(monkeypatch):
         calls.clear()
         counted(query, key, value, mask if masked else None, is_causal=causal, scale=0.3, sinks=sinks)
         assert len(calls) == 1
+
+
+@pytest.mark.parametrize("training", [False, True], ids=["inference: FusedSDPA's sinks", "training: a sink key"])
+def test_on_gaudi_the_sinks_go_to_fusedsdpa_or_one_more_key_with_equal_head_sizes(training, monkeypatch):
+    """FusedSDPA takes one head size (the double checks it): a sink key widens the query and key, so the value is
+    padded to them; in inference a Gaudi software with the sink argument takes the sinks itself."""
+    from optimum.habana import hpu
+    from tests.core import fake_habana
+
+    state = fake_habana.install(monkeypatch, "1.18-sinks")
+    hpu.hpu_kernel.cache_clear()
+    monkeypatch.setattr(dispatch, "on_hpu", lambda tensor: True)
+    try:
+        query, key, value, mask = call(q_len=40)
+        sinks = SINKS.clone().requires_grad_(training)
+        path = dispatch.kernel_path(query, key, value, None, is_causal=True, dropout_p=0.0, sinks=sinks)
+        assert path == KernelPath(training, False, training, "FusedSDPA")
+        with torch.set_grad_enabled(training):
+            output = fused_sdpa(query, key, value, None, is_causal=True, scale=0.3, sinks=sinks, recompute=True)
+        (kernel_call,) = state.calls
+        assert kernel_call.query.shape[-1] == kernel_call.value.shape[-1] == 16 + (8 if training else 0)
+        expected = reference(query, key, value, None, is_causal=True, scale=0.3, sinks=SINKS)
+        torch.testing.assert_close(output.detach().double(), expected, rtol=1e-5, atol=1e-5)
+    finally:
+        hpu.hpu_kernel.cache_clear()

@@ -95,7 +95,8 @@ def kernel_path(
     if on_hpu(query):
         sink_key = sinks is not None and not kernel_takes_sinks(query, key, sinks)
         query_rows = decode_step and grouped and (sinks is None or sink_key)  # FusedSDPA's sinks: one per query head
-        return KernelPath(sink_key, query_rows, value.shape[-1] != query.shape[-1], "FusedSDPA")
+        query_width = query.shape[-1] + (SINK_COLUMNS if sink_key else 0)  # the sink key widens query and key
+        return KernelPath(sink_key, query_rows, value.shape[-1] != query_width, "FusedSDPA")
     query_rows = decode_step and grouped
     rows, rows_mask = query_groups_as_rows(query, key.shape[1], attn_mask) if query_rows else (query, attn_mask)
     rows_sinks = None if sinks is None else decode_kernel_sinks(sinks, key.shape[1], query_rows)
@@ -104,7 +105,7 @@ def kernel_path(
         # context is copied.
         return KernelPath(False, query_rows, False, "cpu_decode")
     splits = context_splits(rows, key, value, rows_mask, is_causal=is_causal, dropout_p=dropout_p)
-    if splits > 1 and (rows_sinks is None or rows_sinks.shape[0] == 1 or rows_sinks.dim() < 3):
+    if splits > 1:
         # One sequence's decode step on CPU: its context in pieces, so that every thread reads a share; the sinks
         # join as one more piece.
         return KernelPath(False, query_rows, False, "split_context", splits)
