@@ -393,6 +393,7 @@ def call_account(
     window_kept = planned and window is not None and not runs_local
     if window_kept:
         planned = False
+    masked = False  # whether the kernel reads a mask: the last case below, where the phase keeps one
     if runs_local and window:
         arguments = (
             f"attn_mask=None within a window of {window}: the first {window} queries causally, then blocks of "
@@ -410,11 +411,11 @@ def call_account(
         arguments = "attn_mask=None, is_causal=True"
     else:
         arguments = f"attn_mask={mask}" + (" (additive)" if device.type == "hpu" else "") + ", is_causal=False"
+        masked = not mask_skipped
     if mask_free or runs_local:
         arguments += " (no padding mask is built)" if not runs_local else " (no [q, kv] mask is built)"
     softmax_mode = "fast" if flags.flash_attention_fast_softmax and is_prefill else "None"
     recompute = flags.flash_attention_recompute and is_prefill
-    masked = arguments.startswith("attn_mask=") and not arguments.startswith("attn_mask=None")
     account = (
         f"fused kernel, {kernel(group, phase, masked=masked)}: {arguments}, scale={group.scaling:g}, "
         f"softmax_mode={softmax_mode}, "
