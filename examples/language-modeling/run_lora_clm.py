@@ -57,7 +57,7 @@ from optimum.habana.cli.finetuning.arguments import (
     usage_error,
 )
 from optimum.habana.cli.finetuning.errors import FineTuningError
-from optimum.habana.cli.finetuning.gaudi_arguments import ThroughputAfterWarmup
+from optimum.habana.cli.finetuning.gaudi_arguments import GaudiTrainingArguments, ThroughputAfterWarmup
 from optimum.habana.cli.finetuning.prompts import DataFormat, build_styled_prompt
 from optimum.habana.cli.finetuning.trainer import (
     FiniteLossTrainer,
@@ -65,6 +65,7 @@ from optimum.habana.cli.finetuning.trainer import (
     next_token_accuracy,
     next_token_predictions,
 )
+from optimum.habana.transformers.context_parallel.trainer import check_context_parallel_model
 from optimum.habana.utils import devices
 from optimum.habana.utils.atomic import atomic_write_text
 from optimum.habana.utils.model_loading import ModelResolutionError, resolve_model
@@ -138,7 +139,9 @@ def run(
         loading_options.check_config_fits(config, resolved.path)
         tokenizer_override = loading_options.load_tokenizer_override(model_args.tokenizer_name, model_args.token)
         notes += loading_options.loading_notes(model_args, data_args, resolved)
-        peft_methods.check_model_supports(args.peft, AutoConfig.from_pretrained(resolved.path))
+        model_config = config or AutoConfig.from_pretrained(resolved.path)
+        peft_methods.check_model_supports(args.peft, model_config)
+        check_context_parallel_model(model_config, args.gaudi.context_parallel_size, "--context_parallel_size")
         if data_args.train_file is None and data_args.dataset_name is None:
             data_args.train_file = str(DEFAULT_TRAIN_FILE)
         train_file = data_args.train_file
@@ -254,6 +257,7 @@ def run(
             pad_to=data_args.max_seq_length if data_args.pad_to_max_length else None,
         ),
         compute_metrics=next_token_accuracy if training_args.do_eval else None,
+        context_parallel_size=args.gaudi.context_parallel_size,
         preprocess_logits_for_metrics=next_token_predictions if training_args.do_eval else None,
         # Saved in every checkpoint, so that a resume can tell this run's checkpoints from another run's.
         callbacks=[run_record.RunArguments(**arguments_of_this_run), throughput, *schedules, *(callbacks or [])],
@@ -326,7 +330,7 @@ def run(
         metrics["generations"] = generations
 
     if trainer.is_world_process_zero():
-        print(summary(metrics, flags.use_flash_attention, training_args, output_args.save_last_ckpt))
+        print(summary(metrics, flags.use_flash_attention, training_args, output_args.save_last_ckpt, args.gaudi))
     return metrics
 
 
@@ -404,12 +408,20 @@ def peak_memory_gib(device: torch.device) -> float:
 
 
 def summary(
-    metrics: dict[str, Any], use_flash_attention: bool, training_args: TrainingArguments, save_last_ckpt: bool
+    metrics: dict[str, Any],
+    use_flash_attention: bool,
+    training_args: TrainingArguments,
+    save_last_ckpt: bool,
+    gaudi: GaudiTrainingArguments,
 ) -> str:
     parts = [f"use_flash_attention={use_flash_attention}"]
-    if training_args.world_size > 1:  # the Trainer's loss and samples/s cover every process; memory is rank 0's
+    world_size, split = training_args.world_size, gaudi.context_parallel_size
+    if world_size > 1:  # the Trainer's loss and samples/s cover every process; memory is rank 0's
         sharding = "FSDP" if training_args.fsdp else "DeepSpeed" if training_args.deepspeed else "data parallel"
-        parts.append(f"{training_args.world_size} processes ({sharding})")
+        if split > 1:
+            replicas = f", {world_size // split} data-parallel replicas" if world_size > split else ""
+            sharding = f"context parallel {split}: each sequence split over {split} processes{replicas}"
+        parts.append(f"{world_size} processes ({sharding})")
     if "train_loss" in metrics:
         parts += [
             f"train loss {metrics['train_loss']:.4f}",

@@ -78,7 +78,17 @@ def gaudi_attention_forward(
     only the `[B, 1, 1, kv]` real keys, or transformers' own where a sliding window needs it), `segments` for a
     padding-free packed batch, `segment_bounds` for a continuous-batching step planned on the host.
     Weights are returned by the default path only: the fused kernel never materialises them.
+    A call with `context_parallel` (a `SequenceSplit`) holds this process's positions of a sequence split over
+    processes: it runs over the whole sequence for this process's heads (`context_parallel/`).
     """
+    split = kwargs.pop("context_parallel", None)
+    if split is not None:
+        return split.attend(
+            gaudi_attention_forward, module, query, key, value, attention_mask,
+            scaling=scaling, dropout=dropout, sliding_window=sliding_window, softcap=softcap, is_causal=is_causal,
+            output_attentions=output_attentions, padded_prompt=padded_prompt, segments=segments,
+            segment_bounds=segment_bounds, **kwargs,
+        )  # fmt: skip
     flags = call_attention_flags(kwargs, model_flag_defaults(module))
     cache = kwargs.pop("cache", None)
     paged_cache = cache if isinstance(cache, PagedAttentionCache) else None

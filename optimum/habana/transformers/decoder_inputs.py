@@ -10,7 +10,8 @@ changes the call's own keyword arguments (nothing shared: a compiled graph or a 
 - with the flag, attention weights asked for by the config, and the kernel's recompute under gradient checkpointing
   (checkpointed layers run forward twice);
 - the batch's layout, planned once before the layers (`batch_layout.py`): a padded prompt's real tokens, the examples
-  of a padding-free packed batch, a continuous-batching step's sequences.
+  of a padding-free packed batch, a continuous-batching step's sequences; for a sequence split over processes, the
+  whole sequence's (`context_parallel/`).
 """
 
 import inspect
@@ -42,7 +43,8 @@ def prepare_decoder_call(
             kwargs["output_attentions"] = True  # the attention runs such calls on the default path, and says so
         if decoder.training and getattr(decoder, "gradient_checkpointing", False):
             kwargs["flash_attention_recompute"] = True  # the kernel must not keep intermediates for the rerun
-    kwargs.update(plan_batch_layout(config, kwargs, decoder.dtype))
+    split = kwargs.get("context_parallel")  # a sequence split over processes: planned whole (`context_parallel/`)
+    kwargs.update(plan_batch_layout(config, kwargs, decoder.dtype) if split is None else split.plan(config, kwargs))
     return (), kwargs
 
 

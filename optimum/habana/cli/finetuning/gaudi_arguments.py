@@ -14,6 +14,7 @@ import torch
 from transformers import TrainerCallback
 
 from optimum.habana import hpu
+from optimum.habana.transformers.context_parallel.trainer import check_world_size
 from optimum.habana.transformers.modeling_utils import ATTENTION_IMPLEMENTATIONS
 
 
@@ -69,7 +70,8 @@ class GaudiTrainingArguments:
     context_parallel_size: int = field(
         default=1,
         metadata={
-            "help": "Devices one sequence is split over (DeepSpeed Ulysses): not supported over processes here."
+            "help": "Processes each training sequence is split over (DeepSpeed Ulysses' scheme: positions outside "
+            "attention, heads inside it); launch replicas x N processes."
         },
     )
     # Gaudi-only switches: each prints what it does on this device.
@@ -132,17 +134,7 @@ def apply_gaudi_training_arguments(
         torch._dynamo.config.allow_unspec_int_on_nn_module = True
     on_hpu = device.type == "hpu"
     notes = []
-    if arguments.context_parallel_size > 1:
-        if training_args.world_size > 1:
-            raise ValueError(
-                f"--context_parallel_size {arguments.context_parallel_size}: splitting sequences over processes "
-                "(DeepSpeed Ulysses) is not supported here. Train data parallel (torchrun --nproc-per-node N) with "
-                "--use_flash_attention and --gradient_checkpointing, which fit long sequences in one device."
-            )
-        notes.append(
-            f"--context_parallel_size {arguments.context_parallel_size}: one process here, so every sequence "
-            "trains whole on this device (with --use_flash_attention its attention memory grows linearly)."
-        )
+    check_world_size(arguments.context_parallel_size, training_args.world_size, "--context_parallel_size")
     if training_args.torch_compile_backend == hpu.COMPILE_BACKEND and not on_hpu:
         training_args.torch_compile_backend = "inductor"
         notes.append(

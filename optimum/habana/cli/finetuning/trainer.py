@@ -6,8 +6,9 @@ from typing import Any
 
 import numpy as np
 import torch
-from transformers import EvalPrediction, Trainer
+from transformers import EvalPrediction
 
+from optimum.habana.transformers.context_parallel.trainer import ContextParallelTrainer
 from optimum.habana.utils.devices import memory_stats, total_memory
 
 from .data import IGNORE_INDEX
@@ -26,12 +27,13 @@ class NonFiniteLossError(RuntimeError):
         self.loss = loss
 
 
-class FiniteLossTrainer(Trainer):
+class FiniteLossTrainer(ContextParallelTrainer):
     """A Trainer that stops at the first non-finite training loss, before the optimizer applies that step, and logs
     the device's memory with every log line as Optimum-Habana's GaudiTrainer does.
 
     transformers' `logging_nan_inf_filter` (on by default) replaces such losses in the logs by the mean so far, so
-    a diverged run otherwise finishes, reports a plausible loss and saves a nan adapter.
+    a diverged run otherwise finishes, reports a plausible loss and saves a nan adapter. With
+    `context_parallel_size` above 1, each training sequence is split over that many processes.
     """
 
     def training_step(self, model, inputs, num_items_in_batch=None) -> torch.Tensor:

@@ -1,0 +1,139 @@
+"""Training with sequences split over processes (this package's `__init__`) in transformers' Trainer.
+
+The world is `replicas x size` processes: consecutive ranks form one group that splits each sequence, and the groups
+are data-parallel replicas of each other. Three pieces of glue, nothing else changes in the Trainer:
+
+- the batches (`SplitBatches`): accelerate shards the training batches over all processes, as for data parallelism;
+  each group then trains its processes' batches one after the other, every process on its part of each sequence
+  (DeepSpeed's `UlyssesSPDataLoaderAdapter` order). With one replica that is one process's order of batches.
+- the forward: `context_parallel=split` in the training forward, so that attention runs over the whole sequence.
+- the loss: the model's loss of this process's positions, summed over the labelled tokens of all processes and
+  divided by their count (transformers' `num_items_in_batch`, which the Trainer gathers over the processes and
+  multiplies back by their number). Gradients averaged over all processes by DDP then equal one process's.
+"""
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from transformers import PreTrainedConfig, Trainer
+
+from . import ContextParallelError, SequenceSplit, check_heads, context_parallel_refusal
+
+
+def check_context_parallel_model(config: PreTrainedConfig, size: int, name: str = "context_parallel_size") -> None:
+    """Refuse a family or head count that cannot be split over `size` processes (ContextParallelError); `name` is
+    the argument's, as the caller's user wrote it."""
+    if size == 1:
+        return
+    reason = context_parallel_refusal(config)
+    if reason is not None:
+        raise ContextParallelError(f"{name} {size}: {reason}.")
+    try:
+        check_heads(config, size)
+    except ContextParallelError as error:
+        raise ContextParallelError(f"{name} {size}: {error}") from None
+
+
+def check_world_size(size: int, world_size: int, name: str = "context_parallel_size") -> None:
+    """`size` processes per sequence, launched as whole groups (ContextParallelError otherwise)."""
+    if size < 1:
+        raise ContextParallelError(f"{name} must be at least 1, got {size}.")
+    if size > 1 and world_size == 1:
+        raise ContextParallelError(
+            f"{name} {size} splits each sequence over {size} processes, and this is one process: launch {size} "
+            f"(or a multiple, for data-parallel replicas), e.g. torchrun --nproc-per-node {size}."
+        )
+    if world_size % size:
+        raise ContextParallelError(
+            f"{name} {size} does not divide the {world_size} processes launched: launch a multiple of {size} "
+            f"(replicas x {size})."
+        )
+
+
+def split_of_this_process(size: int) -> SequenceSplit:
+    """This process's `SequenceSplit`: the group of `size` consecutive ranks it belongs to.
+
+    Every process creates every group (torch.distributed's rule for `new_group`); one group is the whole world."""
+    world_size, rank = dist.get_world_size(), dist.get_rank()
+    check_world_size(size, world_size)
+    if size == world_size:
+        return SequenceSplit.over()
+    own = None
+    for first in range(0, world_size, size):
+        group = dist.new_group(list(range(first, first + size)))
+        if first <= rank < first + size:
+            own = group
+    return SequenceSplit.over(own)
+
+
+class SplitBatches:
+    """The training batches of a group's processes, in turn, each cut into this process's part (see the module)."""
+
+    def __init__(self, loader: Any, split: SequenceSplit, pad_token_id: int = 0) -> None:
+        self.loader = loader
+        self.split = split
+        self.pad_token_id = pad_token_id
+
+    def __len__(self) -> int:
+        return len(self.loader) * self.split.size
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        for batch in self.loader:
+            own = {name: value.cpu() if isinstance(value, torch.Tensor) else value for name, value in batch.items()}
+            batches: list[Any] = [None] * self.split.size
+            dist.all_gather_object(batches, own, group=self.split.group)
+            for whole in batches:
+                yield self.split.shard(whole, self.pad_token_id)
+
+    def __getattr__(self, name: str) -> Any:  # set_epoch, the sampler, the dataset: the loader's own
+        return getattr(self.loader, name)
+
+
+class ContextParallelTrainer(Trainer):
+    """transformers' Trainer with each training sequence split over `context_parallel_size` processes.
+
+    Launch `replicas x context_parallel_size` processes (torchrun, the DeepSpeed launcher); everything else is the
+    Trainer's. Evaluation runs whole sequences on each process (data parallel).
+    """
+
+    def __init__(self, *args: Any, context_parallel_size: int = 1, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.sequence_split: SequenceSplit | None = None
+        if context_parallel_size == 1:
+            return
+        check_world_size(context_parallel_size, self.args.world_size)
+        check_context_parallel_model(self.model.config, context_parallel_size)
+        if not self.args.average_tokens_across_devices:
+            raise ContextParallelError(
+                "context parallel training normalises the loss by the labelled tokens of all processes: leave "
+                "average_tokens_across_devices at True."
+            )
+        if not self.model_accepts_loss_kwargs:
+            raise ContextParallelError(
+                f"context parallel training needs a model whose forward takes the loss's keyword arguments "
+                f"(num_items_in_batch); {type(self.model).__name__}'s does not."
+            )
+        self.sequence_split = split_of_this_process(context_parallel_size)
+
+    def get_train_dataloader(self) -> Any:
+        loader = super().get_train_dataloader()
+        if self.sequence_split is None:
+            return loader
+        pad_token_id = getattr(self.processing_class, "pad_token_id", None) or 0
+        return SplitBatches(loader, self.sequence_split, pad_token_id)
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        if self.sequence_split is not None and model.training:
+            inputs = {**inputs, "context_parallel": self.sequence_split}
+        return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+
+
+__all__ = [
+    "ContextParallelTrainer",
+    "SplitBatches",
+    "check_context_parallel_model",
+    "check_world_size",
+    "split_of_this_process",
+]

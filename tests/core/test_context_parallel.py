@@ -1,0 +1,132 @@
+"""Sequences split over processes (`context_parallel.py`): the exchange, the batch's split and plan, the refusals,
+and one training step of each attention variant over two gloo processes against one process."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from optimum.habana import gaudi_model_class
+from optimum.habana.transformers.context_parallel import (
+    ContextParallelError,
+    SequenceSplit,
+    context_parallel_refusal,
+    key_value_replication,
+)
+from optimum.habana.transformers.context_parallel.trainer import check_context_parallel_model, check_world_size
+from tests.families.tiny_configs import tiny_family_config
+from tests.helpers import FUSED_KERNEL_CPU, ROOT
+
+
+WORKER = ROOT / "tests" / "core" / "context_parallel_worker.py"
+# One case per attention variant and batch layout: "model_type:layout:flag[:kv=K]" (see the worker).
+VARIANT_CASES = [
+    "llama:plain:on",
+    "llama:padded:on",
+    "llama:packed:on",
+    "llama:padded:off",
+    "llama:packed:on:kv=1",  # one key/value head over two processes: repeated
+    "mistral:padded:on",  # a sliding window shorter than the sequence
+    "gemma3_text:packed:on",  # windows alternating with full attention, packed examples
+    "gpt_oss:padded:on",  # sinks and alternating windows
+    "deepseek_v3:padded:on",  # latent attention: the value head narrower than the query's
+    "gemma4_text:padded:off",  # per-layer head counts and sizes
+    "qwen3_moe:packed:on",  # a mixture of experts
+]
+TOLERANCE = 1e-5  # fp32, relative: the split only reorders additions
+
+
+def run_worker(output, cases: list[str]) -> dict:
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(WORKER)]
+    done = subprocess.run(
+        [*command, str(output), ",".join(cases)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(output.read_text())
+
+
+@pytest.fixture(scope="module")
+def variant_records(tmp_path_factory) -> dict:
+    return run_worker(tmp_path_factory.mktemp("context_parallel") / "records.json", VARIANT_CASES)
+
+
+@pytest.mark.parametrize("case", VARIANT_CASES)
+def test_two_processes_train_a_step_as_one_does(variant_records, case):
+    record = variant_records[case]
+    assert abs(record["loss"] - record["expected_loss"]) <= TOLERANCE * record["expected_loss"]
+    assert record["parameters"] > 0 and record["gradient_difference"] <= TOLERANCE
+    for paths in record["paths"]:  # every process ran its heads' attention, fused with the flag
+        if case.split(":")[2] == "on":
+            assert paths["fused"] > 0 and paths[FUSED_KERNEL_CPU] > 0 and "default" not in paths
+        else:
+            assert paths["default"] > 0 and "fused" not in paths
+
+
+def test_the_split_pads_shifts_and_numbers_the_positions():
+    batch = {
+        "input_ids": torch.arange(10, 17)[None],
+        "attention_mask": torch.ones(1, 7, dtype=torch.long),
+        "labels": torch.arange(10, 17)[None],
+    }
+    first, second = SequenceSplit(None, 2, 0).shard(batch), SequenceSplit(None, 2, 1).shard(batch)
+    assert first["input_ids"].tolist() == [[10, 11, 12, 13]] and second["input_ids"].tolist() == [[14, 15, 16, 0]]
+    assert first["shift_labels"].tolist() == [[11, 12, 13, 14]]  # the next token, across the cut
+    assert second["shift_labels"].tolist() == [[15, 16, -100, -100]]
+    assert torch.equal(second["labels"], second["shift_labels"])
+    assert second["position_ids"].tolist() == [[4, 5, 6, 7]]
+    assert second["attention_mask"].tolist() == [[1, 1, 1, 0]]
+
+
+def test_key_value_heads_are_repeated_only_where_that_is_exact():
+    assert key_value_replication(32, 8, 4) == 1
+    assert key_value_replication(32, 2, 8) == 4  # each key/value head on four processes
+    assert key_value_replication(12, 3, 2) == 2
+    with pytest.raises(ContextParallelError) as error:
+        key_value_replication(6, 3, 4)
+    assert str(error.value) == (
+        "6 query heads over 3 key/value heads cannot be split evenly over 4 processes (each process needs whole "
+        "query heads beside their key/value heads): context parallel sizes that split them: 2, 3, 6."
+    )
+
+
+@pytest.mark.parametrize(
+    ("model_type", "reason"),
+    [
+        ("qwen3_next", "has linear_attention layers, whose state runs along the sequence"),
+        ("lfm2_moe", "has conv layers, whose state runs along the sequence"),
+        ("gpt2", "reads the attention mask outside its attention"),
+    ],
+)
+def test_families_that_cannot_be_split_are_refused_by_name(model_type, reason):
+    config = tiny_family_config(model_type, gaudi_model_class(model_type).config_class)
+    assert reason in context_parallel_refusal(config)
+    with pytest.raises(ContextParallelError, match=f"--context_parallel_size 2: the model type '{model_type}"):
+        check_context_parallel_model(config, 2, "--context_parallel_size")
+
+
+def test_launches_that_cannot_split_are_refused():
+    with pytest.raises(
+        ContextParallelError,
+        match="--context_parallel_size 2 splits each sequence over 2 processes, and this is one process",
+    ):
+        check_world_size(2, 1, "--context_parallel_size")
+    with pytest.raises(ContextParallelError, match="--context_parallel_size 2 does not divide the 3 processes"):
+        check_world_size(2, 3, "--context_parallel_size")
+    check_world_size(2, 4)  # two replicas of two
+
+
+def test_a_split_forward_needs_whole_sequence_positions_and_no_cache():
+    model_class = gaudi_model_class("llama")
+    model = model_class(tiny_family_config("llama", model_class.config_class))
+    split = SequenceSplit(None, 1, 0)
+    with pytest.raises(ContextParallelError, match="takes no cache. Pass use_cache=False"):
+        model(input_ids=torch.ones(1, 4, dtype=torch.long), context_parallel=split, use_cache=True)
+    with pytest.raises(ContextParallelError, match="needs this process's position ids of the whole sequence"):
+        model(input_ids=torch.ones(1, 4, dtype=torch.long), context_parallel=split)
