@@ -57,6 +57,7 @@ from optimum.habana.cli.finetuning.arguments import (
     usage_error,
 )
 from optimum.habana.cli.finetuning.errors import FineTuningError
+from optimum.habana.cli.finetuning.explain import explain_training
 from optimum.habana.cli.finetuning.gaudi_arguments import GaudiTrainingArguments, ThroughputAfterWarmup
 from optimum.habana.cli.finetuning.prompts import DataFormat, build_styled_prompt
 from optimum.habana.cli.finetuning.trainer import (
@@ -111,6 +112,8 @@ def run(
 ) -> dict[str, Any]:
     model_args, data_args, lora_args, attention_args = args.model, args.data, args.lora, args.attention
     generation_args, output_args, training_args = args.generation, args.output, args.training
+    if output_args.explain:
+        return explain_run(parser, args)
     schedules: list[TrainerCallback] = []  # callbacks that adjust the training schedule
     try:
         check_numbers(args)
@@ -332,6 +335,33 @@ def run(
     if trainer.is_world_process_zero():
         print(summary(metrics, flags.use_flash_attention, training_args, output_args.save_last_ckpt, args.gaudi))
     return metrics
+
+
+def explain_run(parser: HfArgumentParser, args: Arguments) -> dict[str, Any]:
+    """--explain: the run's checks, then the layout of the sequences over the processes; nothing is loaded."""
+    try:
+        check_numbers(args)
+        flags = modeling.attention_flags_from(args.attention)
+        gaudi_options(args)
+        resolved = resolve_model(args.model.model_name_or_path, **loading_options.hub_options(args.model))
+        data.check_max_seq_length(args.data.max_seq_length, resolved)
+        config = loading_options.load_config_override(args.model.config_name, args.model.token)
+        config = config or AutoConfig.from_pretrained(resolved.path)
+        check_context_parallel_model(config, args.gaudi.context_parallel_size, "--context_parallel_size")
+        text = explain_training(
+            config,
+            context_parallel_size=args.gaudi.context_parallel_size,
+            world_size=args.training.world_size,
+            max_seq_length=args.data.max_seq_length,
+            use_flash_attention=flags.use_flash_attention,
+            device=args.training.device,
+            dtype=resolve_dtype(args.model.torch_dtype, args.training),
+        )
+    except (FineTuningError, ModelResolutionError, ValueError) as error:
+        usage_error(parser, str(error))
+    if args.training.process_index == 0:
+        print(f"Model: {resolved.description}\n{text}")
+    return {}
 
 
 def write_metrics(folder: Path, split: str, split_metrics: dict[str, Any], run_metrics: dict[str, Any]) -> None:

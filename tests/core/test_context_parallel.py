@@ -10,13 +10,18 @@ import pytest
 import torch
 
 from optimum.habana import gaudi_model_class
+from optimum.habana.cli.finetuning.explain import explain_training
 from optimum.habana.transformers.context_parallel import (
     ContextParallelError,
     SequenceSplit,
     context_parallel_refusal,
     key_value_replication,
 )
-from optimum.habana.transformers.context_parallel.trainer import check_context_parallel_model, check_world_size
+from optimum.habana.transformers.context_parallel.trainer import (
+    SplitBatches,
+    check_context_parallel_model,
+    check_world_size,
+)
 from tests.families.tiny_configs import tiny_family_config
 from tests.helpers import FUSED_KERNEL_CPU, ROOT
 
@@ -130,3 +135,43 @@ def test_a_split_forward_needs_whole_sequence_positions_and_no_cache():
         model(input_ids=torch.ones(1, 4, dtype=torch.long), context_parallel=split, use_cache=True)
     with pytest.raises(ContextParallelError, match="needs this process's position ids of the whole sequence"):
         model(input_ids=torch.ones(1, 4, dtype=torch.long), context_parallel=split)
+
+
+def test_explain_says_how_each_sequence_is_split_and_what_each_process_runs():
+    model_class = gaudi_model_class("gpt_oss")
+    config = tiny_family_config("gpt_oss", model_class.config_class, num_key_value_heads=1)
+    text = explain_training(
+        config,
+        context_parallel_size=2,
+        world_size=4,
+        max_seq_length=101,
+        use_flash_attention=True,
+        device=torch.device("cpu"),
+        dtype=torch.float32,
+    )
+    lines = text.splitlines()
+    assert lines[0] == "Processes: 4; context parallel size 2; 2 data-parallel replica(s)."
+    assert lines[1].startswith("Sequences: up to 101 tokens, padded to a multiple of 2 (102); each process holds 51 ")
+    layers = [line for line in lines if line.startswith("layers ")]
+    assert len(layers) == 2  # the windowed layers and the full ones
+    for line in layers:
+        assert "per process 2 of 4 query heads and 1 of 1 key/value heads, each key/value head repeated x2" in line
+        assert "over 102 positions; attention: " in line and "the sinks as one more key" in line
+
+
+@pytest.mark.parametrize("skip", [0, 1, 2, 3, 5])
+def test_a_resumed_epoch_leaves_out_exactly_the_trained_batches(monkeypatch, skip):
+    """Each round gathers the group's batches (here: this process's and its partner's), trained in turn; a resumed
+    epoch starts at the first untrained one, in that order."""
+    loader = [{"input_ids": torch.full((1, 4), round_)} for round_ in range(3)]
+
+    def gather(out, own, group=None):
+        out[:] = [own, {"input_ids": own["input_ids"] + 100}]  # the partner's batch of the same round
+
+    monkeypatch.setattr(torch.distributed, "all_gather_object", gather)
+    batches = SplitBatches(loader, SequenceSplit(None, 2, 0))
+    every = [int(batch["input_ids"][0, 0]) for batch in batches]
+    assert every == [0, 100, 1, 101, 2, 102] and len(batches) == 6
+    batches.skip = skip
+    assert [int(batch["input_ids"][0, 0]) for batch in batches] == every[skip:]
+    assert [int(batch["input_ids"][0, 0]) for batch in batches] == every  # the next epoch is whole

@@ -189,6 +189,13 @@ class OutputArguments:
             "help": "Save the adapter at the end of training (False: keep only the --save_strategy checkpoints)."
         },
     )
+    explain: bool = field(
+        default=False,
+        metadata={
+            "help": "Print how each training sequence is laid out over the processes and which attention each one "
+            "runs per group of layers, then exit: no weights are loaded, nothing is trained or written."
+        },
+    )
 
 
 ARGUMENT_CLASSES = (

@@ -29,7 +29,7 @@ from transformers import PreTrainedConfig
 
 from ...kernels.dispatch import host_reads_allowed
 from ..batch_layout import can_run_packed, local_layers_run_planned, packed_segments, padded_prompt, padding_side_of
-from ..families.qualification import NON_ATTENTION_LAYERS, family_report
+from ..families.qualification import NON_ATTENTION_LAYERS
 
 
 IGNORE_INDEX = -100  # transformers' loss ignores these labels
@@ -43,11 +43,9 @@ class ContextParallelError(ValueError):
 
 
 def context_parallel_refusal(config: PreTrainedConfig) -> str | None:
-    """Why the family of `config` cannot be split over processes exactly, or None when it can."""
+    """Why the family of `config` cannot be split over processes exactly, or None when it can (a family without a
+    Gaudi class is refused where its model is built)."""
     model_type = config.model_type
-    report = family_report(model_type)
-    if not report.qualifies:
-        return f"the model type {model_type!r} does not qualify for the Gaudi attention: {report.reason}"
     layer_types = set(getattr(config, "layer_types", None) or ())
     sequential = sorted(layer_types & SEQUENTIAL_LAYERS)
     if sequential:

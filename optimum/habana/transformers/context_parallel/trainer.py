@@ -75,17 +75,22 @@ class SplitBatches:
         self.loader = loader
         self.split = split
         self.pad_token_id = pad_token_id
+        self.skip = 0  # batches of this order the next pass leaves out (a resumed epoch's trained ones)
 
     def __len__(self) -> int:
         return len(self.loader) * self.split.size
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
-        for batch in self.loader:
+        skip, self.skip = self.skip, 0
+        for index, batch in enumerate(self.loader):
+            if (index + 1) * self.split.size <= skip:  # every batch of this round was trained: not even gathered
+                continue
             own = {name: value.cpu() if isinstance(value, torch.Tensor) else value for name, value in batch.items()}
             batches: list[Any] = [None] * self.split.size
             dist.all_gather_object(batches, own, group=self.split.group)
-            for whole in batches:
-                yield self.split.shard(whole, self.pad_token_id)
+            for turn, whole in enumerate(batches):
+                if index * self.split.size + turn >= skip:
+                    yield self.split.shard(whole, self.pad_token_id)
 
     def __getattr__(self, name: str) -> Any:  # set_epoch, the sampler, the dataset: the loader's own
         return getattr(self.loader, name)
@@ -122,7 +127,18 @@ class ContextParallelTrainer(Trainer):
         if self.sequence_split is None:
             return loader
         pad_token_id = getattr(self.processing_class, "pad_token_id", None) or 0
-        return SplitBatches(loader, self.sequence_split, pad_token_id)
+        self._split_batches = SplitBatches(loader, self.sequence_split, pad_token_id)
+        return self._split_batches
+
+    def _init_training_state(self, *args: Any, **kwargs: Any) -> tuple[int, int]:
+        # A resumed epoch's trained batches: the Trainer would skip them with accelerate's `skip_first_batches`,
+        # which rebuilds the loader under SplitBatches, unsplit and counted in its own batches. SplitBatches skips
+        # them itself, in its order.
+        epochs_trained, trained_batches = super()._init_training_state(*args, **kwargs)
+        if self.sequence_split is None or not trained_batches:
+            return epochs_trained, trained_batches
+        self._split_batches.skip = trained_batches
+        return epochs_trained, 0
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         if self.sequence_split is not None and model.training:
