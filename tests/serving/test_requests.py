@@ -11,7 +11,9 @@ import math
 import urllib.request
 
 import pytest
+from transformers import StopStringCriteria
 
+from optimum.habana.transformers.generation.stop_strings import TailStopStringCriteria
 from tests.helpers import save_tiny_checkpoint
 from tests.serving.servers import TIMEOUT_S, RunningServer, openai, sequential_and_continuous_batching
 
@@ -270,6 +272,27 @@ def test_what_continuous_batching_does_not_apply_is_refused_there_and_applied_el
     assert_error(status, answer, 400, name, "unsupported_parameter", "continuous batching")
     status, answer, _ = servers["sequential"].post(CHAT, body)
     assert status == 200, answer
+
+
+def test_stop_strings_are_matched_without_tables_over_the_vocabulary(servers, monkeypatch):
+    """`stop` becomes generate()'s stop strings, matched on the answer's last tokens (`TailStopStringCriteria`,
+    tests/generation/test_stop_strings.py), never by transformers' `StopStringCriteria`, whose tables over the
+    vocabulary took seconds per request for SmolLM2's."""
+    made = []
+    init = TailStopStringCriteria.__init__
+
+    def tables(*args, **kwargs):
+        raise RuntimeError("StopStringCriteria built")  # in the server's thread: the request's 500
+
+    monkeypatch.setattr(StopStringCriteria, "__init__", tables)
+    monkeypatch.setattr(
+        TailStopStringCriteria,
+        "__init__",
+        lambda self, tokenizer, stops: made.append(stops) or init(self, tokenizer, stops),
+    )
+    body = {"messages": HELLO, "max_tokens": 3, "temperature": 0, "stop": ["zz", "🙂"]}
+    status, answer, _ = servers["sequential"].post(CHAT, body)
+    assert status == 200 and made == [["zz", "🙂"]], answer
 
 
 def test_a_model_without_a_chat_template_takes_completions_and_refuses_messages_in_words(tmp_path):

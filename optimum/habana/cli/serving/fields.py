@@ -294,9 +294,10 @@ ToolChoice = Annotated[
     Literal["auto", "none", "required"],
     only("auto", "none", hint='the model chooses by itself ("auto"), or "none" offers it no tool'),
 ]
-# OpenAI's limit of 4 stop sequences, each bounded: transformers' StopStringCriteria scans the vocabulary for every
-# character of every stop string before generating (4 strings of 64 characters: about 3 s of the generation thread
-# here for SmolLM2; of 100,000 characters, minutes), so the bound bounds that work.
+# OpenAI's limit of 4 stop sequences, each bounded. generate() matches them on each row's last tokens (a window as
+# long as the longest stop string: `TailStopStringCriteria`, in time linear in the text). The bound dates from
+# transformers' `StopStringCriteria`, whose tables over the vocabulary took seconds per request; it stays, so that
+# the same requests are valid and the window stays short.
 STOP_MAX_CHARACTERS = 64
 StopString = Annotated[str, Field(min_length=1, max_length=STOP_MAX_CHARACTERS), AfterValidator(utf8)]
 Stop = Annotated[

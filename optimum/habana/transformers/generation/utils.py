@@ -1,15 +1,16 @@
-"""The bridge that carries the attention flags from generate() to the model's forward, on every step, and the
-KV cache generate() builds when the caller gives none."""
+"""The bridge that carries the attention flags from generate() to the model's forward, on every step, the KV cache
+generate() builds when the caller gives none, and its stop strings matched without a vocabulary-wide precompute."""
 
 import copy
 from typing import Any
 
-from transformers import DynamicCache, GenerationConfig, StaticCache
+from transformers import DynamicCache, GenerationConfig, StaticCache, StoppingCriteriaList, StopStringCriteria
 
 from ...kernels.dispatch import needs_static_shapes
 from ..attention_flags import ATTENTION_FLAG_NAMES, attention_flags_of, resolve_attention_flags
 from ..cache import BucketedStaticCache
 from ..growing_cache import GrowingCache
+from .stop_strings import TailStopStringCriteria
 
 
 # Tokens per bucket of a static cache whose shapes must stay static (compiled decode steps, Gaudi): one graph each.
@@ -40,6 +41,33 @@ class GaudiGenerationMixin:
         for name, value in flags.items():
             setattr(generation_config, name, value)
         return generation_config, {**model_kwargs, **flags}
+
+    def _get_stopping_criteria(
+        self,
+        generation_config: GenerationConfig,
+        stopping_criteria: StoppingCriteriaList | None,
+        tokenizer: Any = None,
+    ) -> StoppingCriteriaList:
+        """Stock's criteria, with `TailStopStringCriteria` for the stop strings: the same decision at every step,
+        without `StopStringCriteria`'s tables over the whole vocabulary (seconds per new set of stop strings).
+
+        A `StopStringCriteria` the caller passes takes precedence over the config's stop strings, as in stock.
+        """
+        stop_strings = generation_config.stop_strings
+        if stop_strings is None or any(type(custom) is StopStringCriteria for custom in stopping_criteria or ()):
+            return super()._get_stopping_criteria(generation_config, stopping_criteria, tokenizer)
+        if tokenizer is None:
+            # stock's words
+            raise ValueError(
+                "There are one or more stop strings, either in the arguments to `generate` or in the "
+                "model's generation config, but we could not locate a tokenizer. When generating with "
+                "stop strings, you must pass the model's tokenizer to the `tokenizer` argument of `generate`."
+            )
+        without = copy.copy(generation_config)
+        without.stop_strings = None
+        criteria = super()._get_stopping_criteria(without, StoppingCriteriaList(), tokenizer)
+        criteria.append(TailStopStringCriteria(tokenizer, stop_strings))
+        return self._merge_criteria_processor_list(criteria, stopping_criteria or StoppingCriteriaList())
 
     def _prepare_cache_for_generation(
         self,
