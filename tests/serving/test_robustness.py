@@ -179,3 +179,75 @@ def test_an_engine_step_that_fails_fails_its_request_and_the_next_ones_are_serve
         assert status == 200 and answer["usage"]["completion_tokens"] == 2, answer
     assert health(flash_cb_server)[0] == 200
     assert flash_cb_server.serve._generation_state._cb_manager._cb is worker  # the same engine, never restarted
+
+
+MARKER = "@"  # a character of the marked prompt only: the stand-in below fails every step that holds its token
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_a_request_that_fails_in_a_shared_step_fails_alone(flash_cb_server, stream, monkeypatch):
+    """A request that fails inside an engine step it shares with two others (a stand-in: the forward raises on any
+    step holding the marked prompt's token): it gets its error (a 500 naming the failure, or a stream's error event
+    and `[DONE]`), the two others their text as when each ran alone, and the next request is served by the same
+    engine. The three are queued while the engine is paused, so that they share its next steps."""
+    server = flash_cb_server
+    tokenizer = AutoTokenizer.from_pretrained(server.model_id)
+    marker = tokenizer.convert_tokens_to_ids(MARKER)
+    questions = [[{"role": "user", "content": text}] for text in ("Hello there", "The quick brown fox")]
+    marked = [{"role": "user", "content": f"fail {MARKER}"}]
+    alone = []
+    for messages in questions:
+        assert marker not in tokenizer.apply_chat_template(messages)["input_ids"]
+        status, answer, _ = server.post(CHAT, {"messages": messages, "max_tokens": 6})
+        assert status == 200 and MARKER not in answer["choices"][0]["message"]["content"], answer
+        alone.append(answer["choices"][0]["message"]["content"])
+
+    forward = GaudiLlamaForCausalLM.forward
+    failed_steps = []
+
+    def fails_on_marker(self, *args, **kwargs):
+        input_ids = kwargs["input_ids"]
+        if (input_ids == marker).any():
+            failed_steps.append(input_ids.shape[-1])
+            raise RuntimeError("a stand-in failure of the marked request")
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(GaudiLlamaForCausalLM, "forward", fails_on_marker)
+    worker = server.serve._generation_state._cb_manager._cb
+    outcomes: dict[int, tuple] = {}
+
+    def ask(index: int, messages: list[dict]) -> None:
+        outcomes[index] = server.post(CHAT, {"messages": messages, "max_tokens": 6})
+
+    def ask_streaming() -> None:
+        connection, response = server.open_stream(CHAT, {"messages": marked, "max_tokens": 6, "stream": True})
+        outcomes[2] = (response.status, [event for event in response.read().decode().split("\n\n") if event])
+        connection.close()
+
+    askers = [threading.Thread(target=ask, args=(index, messages)) for index, messages in enumerate(questions)]
+    askers.append(threading.Thread(target=ask_streaming) if stream else threading.Thread(target=ask, args=(2, marked)))
+    with worker.pause():
+        for asker in askers:
+            asker.start()
+        deadline = time.monotonic() + TIMEOUT_S
+        while worker.input_queue.qsize() < 3:
+            assert time.monotonic() < deadline, "the requests never reached the engine"
+            time.sleep(0.02)
+    for asker in askers:
+        asker.join(TIMEOUT_S)
+    assert not any(asker.is_alive() for asker in askers), "a request is still waiting"
+
+    assert failed_steps and max(failed_steps) > len(tokenizer.apply_chat_template(marked)["input_ids"])  # shared
+    if stream:
+        status, events = outcomes[2]
+        assert status == 200 and events[-1] == "data: [DONE]", events
+        assert "a stand-in failure of the marked request" in events[-2], events
+    else:
+        status, answer, _ = outcomes[2]
+        assert status == 500 and "a stand-in failure of the marked request" in answer["error"]["message"], answer
+    for index, text in enumerate(alone):
+        status, answer, _ = outcomes[index]
+        assert status == 200 and answer["choices"][0]["message"]["content"] == text, answer
+    status, answer, _ = server.post(CHAT, {"messages": HELLO, "max_tokens": 2})
+    assert status == 200 and answer["usage"]["completion_tokens"] == 2, answer
+    assert health(server)[0] == 200 and server.serve._generation_state._cb_manager._cb is worker
