@@ -27,12 +27,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import gguf
 import platformdirs
 from huggingface_hub import snapshot_download
 
 from . import cache_manifest
 from .atomic import current_umask
+from .gguf_layout import read_gguf_layout
 from .staging import STAGING_SUFFIX, make_staging_folder, remove_stale_staging
 from .weight_files import weight_file_problem
 
@@ -315,13 +315,11 @@ def check_gguf_file(gguf_path: Path) -> None:
 def gguf_architecture(gguf_path: Path) -> str:
     """The ``general.architecture`` value in the GGUF metadata, or "unknown" when the field is missing."""
     try:
-        reader = gguf.GGUFReader(gguf_path)
+        return read_gguf_layout(gguf_path).architecture  # its structure only: a full parse takes seconds
     except (ValueError, OSError) as error:
         raise ModelResolutionError(
             f"{str(gguf_path)!r} is not a valid GGUF file, or it is truncated or damaged ({error}). {_HINT}"
         ) from error
-    field = reader.get_field("general.architecture")
-    return "unknown" if field is None else str(field.contents())
 
 
 def _download_from_hub(
