@@ -66,6 +66,7 @@ from optimum.habana.cli.finetuning.trainer import (
     next_token_accuracy,
     next_token_predictions,
 )
+from optimum.habana.transformers.context_parallel import ContextParallelError
 from optimum.habana.transformers.context_parallel.trainer import check_context_parallel_model
 from optimum.habana.utils import devices
 from optimum.habana.utils.atomic import atomic_write_text
@@ -248,23 +249,26 @@ def run(
 
     throughput = ThroughputAfterWarmup(args.gaudi.throughput_warmup_steps, adjust=args.gaudi.adjust_throughput)
     schedules += [peft_methods.AdaLoraSchedule()] if args.peft.peft_type == "adalora" else []
-    trainer = FiniteLossTrainer(
-        model=model,
-        args=training_args,
-        train_dataset=datasets["train"] if training_args.do_train else None,
-        eval_dataset=datasets.get("validation") if training_args.do_eval else None,
-        processing_class=tokenizer,
-        data_collator=data.data_collator(
-            tokenizer,
-            padding_free=data_args.padding_free,
-            pad_to=data_args.max_seq_length if data_args.pad_to_max_length else None,
-        ),
-        compute_metrics=next_token_accuracy if training_args.do_eval else None,
-        context_parallel_size=args.gaudi.context_parallel_size,
-        preprocess_logits_for_metrics=next_token_predictions if training_args.do_eval else None,
-        # Saved in every checkpoint, so that a resume can tell this run's checkpoints from another run's.
-        callbacks=[run_record.RunArguments(**arguments_of_this_run), throughput, *schedules, *(callbacks or [])],
-    )
+    try:  # the processes of a context-parallel run check the fused kernel together
+        trainer = FiniteLossTrainer(
+            model=model,
+            args=training_args,
+            train_dataset=datasets["train"] if training_args.do_train else None,
+            eval_dataset=datasets.get("validation") if training_args.do_eval else None,
+            processing_class=tokenizer,
+            data_collator=data.data_collator(
+                tokenizer,
+                padding_free=data_args.padding_free,
+                pad_to=data_args.max_seq_length if data_args.pad_to_max_length else None,
+            ),
+            compute_metrics=next_token_accuracy if training_args.do_eval else None,
+            context_parallel_size=args.gaudi.context_parallel_size,
+            preprocess_logits_for_metrics=next_token_predictions if training_args.do_eval else None,
+            # Saved in every checkpoint, so that a resume can tell this run's checkpoints from another run's.
+            callbacks=[run_record.RunArguments(**arguments_of_this_run), throughput, *schedules, *(callbacks or [])],
+        )
+    except ContextParallelError as error:
+        usage_error(parser, str(error))
     device = training_args.device
     metrics: dict[str, Any] = {}
 

@@ -20,6 +20,7 @@ from optimum.habana.transformers.context_parallel import (
 from optimum.habana.transformers.context_parallel.trainer import (
     SplitBatches,
     check_context_parallel_model,
+    check_fused_kernel_everywhere,
     check_world_size,
 )
 from tests.families.tiny_configs import tiny_family_config
@@ -175,3 +176,19 @@ def test_a_resumed_epoch_leaves_out_exactly_the_trained_batches(monkeypatch, ski
     batches.skip = skip
     assert [int(batch["input_ids"][0, 0]) for batch in batches] == every[skip:]
     assert [int(batch["input_ids"][0, 0]) for batch in batches] == every  # the next epoch is whole
+
+
+def test_every_process_must_have_the_fused_kernel_with_the_flag(monkeypatch):
+    from optimum.habana import hpu
+    from optimum.habana.transformers.context_parallel import trainer
+
+    check_fused_kernel_everywhere(2, torch.device("cpu"))  # PyTorch's kernels are always there
+    monkeypatch.setattr(hpu, "hpu_kernel", lambda: None)
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda: 1)
+    monkeypatch.setattr(trainer, "gather_from_ranks", lambda problem: [None, problem])  # rank 0 has it, rank 1 not
+    with pytest.raises(ContextParallelError) as error:
+        check_fused_kernel_everywhere(2, torch.device("hpu"))
+    assert str(error.value) == (
+        "use_flash_attention with context parallel size 2: process 1 cannot import the Gaudi software's FusedSDPA. "
+        "Install the Gaudi software on every node, or train without use_flash_attention."
+    )

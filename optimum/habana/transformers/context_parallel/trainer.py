@@ -18,7 +18,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from transformers import PreTrainedConfig, Trainer
+from transformers.trainer_utils import unwrap_peft_model
 
+from ... import hpu
+from ...utils.distributed import gather_from_ranks
 from . import ContextParallelError, SequenceSplit, check_heads, context_parallel_refusal
 
 
@@ -49,6 +52,20 @@ def check_world_size(size: int, world_size: int, name: str = "context_parallel_s
         raise ContextParallelError(
             f"{name} {size} does not divide the {world_size} processes launched: launch a multiple of {size} "
             f"(replicas x {size})."
+        )
+
+
+def check_fused_kernel_everywhere(size: int, device: torch.device) -> None:
+    """With the flag, every process must run the fused kernel: one without it would take the default path alone
+    (exact, but its memory is the one the split was meant to avoid). A ContextParallelError names the processes."""
+    problem = None
+    if device.type == "hpu" and hpu.hpu_kernel() is None:
+        problem = f"process {dist.get_rank()} cannot import the Gaudi software's FusedSDPA"
+    problems = [message for message in gather_from_ranks(problem) if message is not None]
+    if problems:
+        raise ContextParallelError(
+            f"use_flash_attention with context parallel size {size}: {'; '.join(problems)}. Install the Gaudi "
+            "software on every node, or train without use_flash_attention."
         )
 
 
@@ -121,6 +138,8 @@ class ContextParallelTrainer(Trainer):
                 f"(num_items_in_batch); {type(self.model).__name__}'s does not."
             )
         self.sequence_split = split_of_this_process(context_parallel_size)
+        if getattr(unwrap_peft_model(self.model).generation_config, "use_flash_attention", False):
+            check_fused_kernel_everywhere(context_parallel_size, self.args.device)
 
     def get_train_dataloader(self) -> Any:
         loader = super().get_train_dataloader()
@@ -150,6 +169,7 @@ __all__ = [
     "ContextParallelTrainer",
     "SplitBatches",
     "check_context_parallel_model",
+    "check_fused_kernel_everywhere",
     "check_world_size",
     "split_of_this_process",
 ]
