@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import types
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ import torch
 from optimum.habana import gaudi_model_class
 from optimum.habana.cli.finetuning.explain import explain_training
 from optimum.habana.transformers.context_parallel import (
+    DEEPSPEED_SEQUENCE_PARALLEL_STATE,
     ContextParallelError,
     SequenceSplit,
     context_parallel_refusal,
@@ -192,3 +194,16 @@ def test_every_process_must_have_the_fused_kernel_with_the_flag(monkeypatch):
         "use_flash_attention with context parallel size 2: process 1 cannot import the Gaudi software's FusedSDPA. "
         "Install the Gaudi software on every node, or train without use_flash_attention."
     )
+
+
+def test_deepspeeds_own_ulysses_wrapper_is_refused_before_it_trains_on_wrong_results(monkeypatch):
+    """accelerate's sp_backend="deepspeed" wraps the 'sdpa' attention, which a Gaudi model's layers never call."""
+    state = types.ModuleType(DEEPSPEED_SEQUENCE_PARALLEL_STATE)
+    state._SEQUENCE_PARALLEL_GROUP = object()  # what DeepSpeed's initialize_sequence_parallel sets
+    monkeypatch.setitem(sys.modules, DEEPSPEED_SEQUENCE_PARALLEL_STATE, state)
+    model_class = gaudi_model_class("llama")
+    model = model_class(tiny_family_config("llama", model_class.config_class))
+    with pytest.raises(ContextParallelError, match="its wrapper of the 'sdpa' attention is never called"):
+        model(input_ids=torch.ones(1, 4, dtype=torch.long))
+    state._SEQUENCE_PARALLEL_GROUP = None  # released: the model runs
+    assert model(input_ids=torch.ones(1, 4, dtype=torch.long)).logits.shape == (1, 4, 256)

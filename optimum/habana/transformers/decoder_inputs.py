@@ -23,6 +23,7 @@ from torch import nn
 from .attention import AttentionConfigView
 from .attention_flags import ATTENTION_FLAG_NAMES, attention_flags_of, check_flag_spelling, resolve_attention_flags
 from .batch_layout import plan_batch_layout
+from .context_parallel import check_no_foreign_split
 
 
 def prepare_decoder_call(
@@ -44,6 +45,8 @@ def prepare_decoder_call(
         if decoder.training and getattr(decoder, "gradient_checkpointing", False):
             kwargs["flash_attention_recompute"] = True  # the kernel must not keep intermediates for the rerun
     split = kwargs.get("context_parallel")  # a sequence split over processes: planned whole (`context_parallel/`)
+    if split is None and not torch.compiler.is_compiling():
+        check_no_foreign_split()
     kwargs.update(plan_batch_layout(config, kwargs, decoder.dtype) if split is None else split.plan(config, kwargs))
     return (), kwargs
 

@@ -17,6 +17,7 @@ The exchange is PyTorch's functional all-to-all (differentiable and traceable by
 group's backend: gloo on CPU, nccl on CUDA, hccl on Gaudi.
 """
 
+import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -40,6 +41,27 @@ SEQUENTIAL_LAYERS = NON_ATTENTION_LAYERS - {"mlp", "moe"}
 
 class ContextParallelError(ValueError):
     """A model, a batch or a head count that cannot be split over the group exactly; the message says why."""
+
+
+# Where DeepSpeed keeps the group of its own Ulysses wrapper (ALST), once set up.
+DEEPSPEED_SEQUENCE_PARALLEL_STATE = "deepspeed.runtime.sequence_parallel.parallel_state_sp"
+
+
+def check_no_foreign_split() -> None:
+    """Refuse a forward under DeepSpeed's Ulysses wrapper (ALST, or accelerate's `sp_backend="deepspeed"`).
+
+    It splits the batch, then wraps the attention function registered under the name the user chose ("sdpa"),
+    which a Gaudi model's layers never call (they call the Gaudi attention): every process would attend over its
+    own positions only, and train on wrong results without a word."""
+    state = sys.modules.get(DEEPSPEED_SEQUENCE_PARALLEL_STATE)
+    if state is not None and getattr(state, "_SEQUENCE_PARALLEL_GROUP", None) is not None:
+        raise ContextParallelError(
+            "DeepSpeed's Ulysses sequence parallelism is set up (ALST, or accelerate's ParallelismConfig("
+            "sp_backend='deepspeed')): its wrapper of the 'sdpa' attention is never called by a Gaudi model's "
+            "layers, so each process would attend over its own positions only. Split sequences with this library's "
+            "ContextParallelTrainer (optimum.habana.transformers.context_parallel.trainer) or run_lora_clm.py "
+            "--context_parallel_size instead."
+        )
 
 
 def context_parallel_refusal(config: PreTrainedConfig) -> str | None:
@@ -273,6 +295,7 @@ def _pad_sequences(batch: dict[str, Any], length: int, padding: int, pad_token_i
 
 __all__ = [
     "ContextParallelError",
+    "check_no_foreign_split",
     "SequenceSplit",
     "check_heads",
     "context_parallel_refusal",
