@@ -20,6 +20,7 @@ from optimum.habana.transformers.context_parallel import (
     key_value_replication,
 )
 from optimum.habana.transformers.context_parallel.trainer import (
+    ContextParallelTrainer,
     SplitBatches,
     check_context_parallel_model,
     check_fused_kernel_everywhere,
@@ -207,3 +208,18 @@ def test_deepspeeds_own_ulysses_wrapper_is_refused_before_it_trains_on_wrong_res
         model(input_ids=torch.ones(1, 4, dtype=torch.long))
     state._SEQUENCE_PARALLEL_GROUP = None  # released: the model runs
     assert model(input_ids=torch.ones(1, 4, dtype=torch.long)).logits.shape == (1, 4, 256)
+
+
+def test_the_trainer_takes_the_size_from_accelerates_parallelism_config(tmp_path):
+    from accelerate import ParallelismConfig
+    from transformers import TrainingArguments
+
+    model_class = gaudi_model_class("llama")
+    model = model_class(tiny_family_config("llama", model_class.config_class))
+    config = ParallelismConfig(sp_backend="deepspeed", sp_size=2)
+    arguments = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], parallelism_config=config)
+    with pytest.raises(ContextParallelError, match="context_parallel_size 2 splits each sequence over 2 processes"):
+        ContextParallelTrainer(model=model, args=arguments)  # read, then refused: this is one process
+    assert arguments.parallelism_config is config  # the caller's arguments are left as they were
+    with pytest.raises(ContextParallelError, match="sequence parallelism over 2 processes and context_parallel_size"):
+        ContextParallelTrainer(model=model, args=arguments, context_parallel_size=4)

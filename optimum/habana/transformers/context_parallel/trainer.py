@@ -12,6 +12,7 @@ are data-parallel replicas of each other. Three pieces of glue, nothing else cha
   multiplies back by their number). Gradients averaged over all processes by DDP then equal one process's.
 """
 
+import copy
 from collections.abc import Iterator
 from typing import Any
 
@@ -113,14 +114,47 @@ class SplitBatches:
         return getattr(self.loader, name)
 
 
+def _read_parallelism_config(
+    args: tuple[Any, ...], kwargs: dict[str, Any], size: int | None
+) -> tuple[tuple[Any, ...], dict[str, Any], int]:
+    """The context parallel size, from the argument or from accelerate's `parallelism_config.sp_size`.
+
+    A `parallelism_config` asking for sequence parallelism is taken off a copy of the training arguments: with it,
+    accelerate and the Trainer would set up DeepSpeed's Ulysses wrapper, which the Gaudi layers never call. Any other
+    dimension in it (tensor, context or sharded data parallelism) is a ContextParallelError."""
+    training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
+    config = getattr(training_args, "parallelism_config", None)
+    requested = (getattr(config, "sp_size", None) or 1) if config is not None else 1
+    if requested == 1:
+        return args, kwargs, size or 1
+    others = {name: getattr(config, name, 1) or 1 for name in ("tp_size", "cp_size", "dp_shard_size")}
+    if any(value > 1 for value in others.values()) or size not in (None, requested):
+        raise ContextParallelError(
+            f"parallelism_config asks for sequence parallelism over {requested} processes"
+            + (f" and context_parallel_size is {size}" if size not in (None, requested) else "")
+            + (f" beside {others}" if any(value > 1 for value in others.values()) else "")
+            + ": ContextParallelTrainer splits sequences (sp_size) with data-parallel replicas only; pass one size."
+        )
+    copied = copy.copy(training_args)
+    copied.parallelism_config = None
+    if "args" in kwargs:
+        kwargs = {**kwargs, "args": copied}
+    else:
+        args = (args[0], copied, *args[2:])
+    return args, kwargs, requested
+
+
 class ContextParallelTrainer(Trainer):
     """transformers' Trainer with each training sequence split over `context_parallel_size` processes.
 
     Launch `replicas x context_parallel_size` processes (torchrun, the DeepSpeed launcher); everything else is the
-    Trainer's. Evaluation runs whole sequences on each process (data parallel).
+    Trainer's. Evaluation runs whole sequences on each process (data parallel). The size may also come the way
+    accelerate documents it, `TrainingArguments(parallelism_config=ParallelismConfig(sp_size=N))`: this Trainer
+    then splits the sequences itself (`_read_parallelism_config`).
     """
 
-    def __init__(self, *args: Any, context_parallel_size: int = 1, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, context_parallel_size: int | None = None, **kwargs: Any) -> None:
+        args, kwargs, context_parallel_size = _read_parallelism_config(args, kwargs, context_parallel_size)
         super().__init__(*args, **kwargs)
         self.sequence_split: SequenceSplit | None = None
         if context_parallel_size == 1:
