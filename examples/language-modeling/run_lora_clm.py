@@ -57,9 +57,9 @@ from optimum.habana.cli.finetuning.arguments import (
     usage_error,
 )
 from optimum.habana.cli.finetuning.errors import FineTuningError
-from optimum.habana.cli.finetuning.explain import explain_training
 from optimum.habana.cli.finetuning.gaudi_arguments import GaudiTrainingArguments, ThroughputAfterWarmup
 from optimum.habana.cli.finetuning.prompts import DataFormat, build_styled_prompt
+from optimum.habana.cli.finetuning.sharding import explain_training
 from optimum.habana.cli.finetuning.trainer import (
     FiniteLossTrainer,
     NonFiniteLossError,

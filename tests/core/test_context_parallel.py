@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from optimum.habana import gaudi_model_class
-from optimum.habana.cli.finetuning.explain import explain_training
+from optimum.habana.cli.finetuning.sharding import explain_training
 from optimum.habana.transformers.context_parallel import (
     DEEPSPEED_SEQUENCE_PARALLEL_STATE,
     ContextParallelError,
