@@ -33,11 +33,9 @@ from tests.helpers import FUSED_KERNEL_CPU, ROOT
 WORKER = ROOT / "tests" / "core" / "context_parallel_worker.py"
 # One case per attention variant and batch layout: "model_type:layout:flag[:kv=K]" (see the worker).
 VARIANT_CASES = [
-    "llama:plain:on",
-    "llama:padded:on",
-    "llama:packed:on",
+    "llama:padded:on",  # a left-padded row beside a full one
     "llama:padded:off",
-    "llama:packed:on:kv=1",  # one key/value head over two processes: repeated
+    "llama:packed:on:kv=1",  # packed examples; one key/value head over two processes: repeated
     "mistral:padded:on",  # a sliding window shorter than the sequence
     "gemma3_text:packed:on",  # windows alternating with full attention, packed examples
     "gpt_oss:padded:on",  # sinks and alternating windows
