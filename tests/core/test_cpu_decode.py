@@ -90,6 +90,29 @@ def test_the_kernel_gives_pytorchs_flash_attention(shape, mask_name):
 
 
 @needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8])
+def test_every_remainder_of_the_kernels_register_blocks(rows, dtype):
+    """The kernel computes in blocks: dot products 8 keys at a time over 8 floats of the head at a time, weighted sums
+    4 rows at a time over 16 values of the head, then 8, then single floats. Heads of 44 (a remainder of 4 floats),
+    values of 28 (a block of 16, one of 8, 4 floats), every row count of a group's last block, 1037 tokens (a
+    remainder of keys and of values), a mask per row and sinks: against the attention written out."""
+    generator = torch.Generator().manual_seed(2)
+    query = torch.randn(2, 2, rows, 44, generator=generator)
+    key = torch.randn(2, 2, 1037, 44, generator=generator).to(dtype)
+    value = torch.randn(2, 2, 1037, 28, generator=generator).to(dtype)
+    mask = torch.rand(2, 2, rows, 1037, generator=generator) > 0.3
+    sinks = torch.randn(2, rows, generator=generator)
+    assert cpu_decode_applies(query.to(dtype), key, value, mask, is_causal=False, dropout_p=0.0, sinks=sinks)
+    output = cpu_decode_sdpa(query.to(dtype), key, value, mask, scale=44**-0.5, sinks=sinks)
+    scores = (query.to(dtype).double() @ key.double().transpose(-1, -2) * 44**-0.5).masked_fill(~mask, -torch.inf)
+    with_sinks = torch.cat([scores, sinks.double().expand(2, 2, rows)[..., None]], dim=-1)  # a sink: a key of value 0
+    expected = torch.softmax(with_sinks, dim=-1)[..., :-1] @ value.double()  # float64 throughout
+    tolerance = {"rtol": 1e-5, "atol": 1e-6} if dtype == torch.float32 else {"rtol": 1.6e-2, "atol": 2e-3}
+    torch.testing.assert_close(output.double(), expected.to(dtype).double(), **tolerance)
+
+
+@needs_kernel
 @pytest.mark.parametrize("mask_name", ["none", "boolean padding", "additive -inf per head and row"])
 @pytest.mark.parametrize("shape", ["one sequence, a query group of 3 as rows", "heads of 80"])
 def test_a_bfloat16_cache_stays_within_one_rounding_of_pytorchs_kernel(shape, mask_name):
@@ -480,7 +503,7 @@ def test_a_library_that_disagrees_with_pytorch_is_never_used(fresh_build, monkey
     then left off with one warning; decode steps run on PyTorch's kernel."""
     planted = tmp_path / "cpu_decode.c"
     source = cpu_decode_library.SOURCE.read_text()
-    planted.write_text(source.replace("float score = dot * head->scale;", "float score = dot * head->scale * 1.3f;"))
+    planted.write_text(source.replace("const float scale = head->scale;", "const float scale = head->scale * 1.3f;"))
     assert planted.read_text() != source
     monkeypatch.setattr(cpu_decode_library, "SOURCE", planted)
     query, key, value = decode_inputs(1, 2, 2, 700, 64)

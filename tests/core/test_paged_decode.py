@@ -62,6 +62,7 @@ PAGED_SHAPES = {
     "SmolLM2's groups of 3, one long sequence beside short ones": (9, 3, 64, [5000, 17, 1]),
     "one sequence, groups of 4, heads of 128": (8, 2, 128, [3000]),
     "no groups, heads of 80, an empty sequence": (4, 4, 80, [300, 0, 700, 1025]),
+    "groups of 5, heads of 44 (the kernel's blocks' remainders)": (10, 2, 44, [1037, 3]),
 }
 
 
