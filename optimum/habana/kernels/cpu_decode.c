@@ -113,9 +113,13 @@ typedef struct {
 #define VALUE_ROWS 4
 #define VALUE_VECTORS 2
 #define TOKEN_BLOCK 16
-/* The keys are asked for KEYS_AHEAD blocks before their dot products: the arithmetic between two blocks leaves the
- * CPU's own prefetchers behind (measured on the keys alone: 10-15% faster at 4 blocks than with none, or 8) */
+/* Each block's keys and values are asked for a while before they are used (KEYS_AHEAD blocks of keys, VALUES_AHEAD
+ * blocks of values ahead): the arithmetic between two blocks leaves the CPU's own prefetchers behind, and the
+ * weighted sums read a block's values a cache line of each at a time, an order they do not follow. Measured on one
+ * core with the cache in memory: SmolLM2's values alone 1.7x faster, gpt-oss's whole step 1.25x; on 2 cores
+ * gpt-oss's 15.5 -> 19.7 GB/s where without it 16.5 (further ahead measured no better). */
 #define KEYS_AHEAD 4
+#define VALUES_AHEAD 1
 
 typedef float lanes __attribute__((vector_size(LANES * sizeof(float))));
 typedef int32_t lane_indices __attribute__((vector_size(LANES * sizeof(int32_t))));
@@ -220,10 +224,11 @@ static inline __attribute__((always_inline)) void weigh_values(const int rows, c
 /* the floats between two rows' scores in a piece of `width` tokens: whole blocks of KEYS */
 static inline int64_t scores_stride(int64_t width) { return (width + KEYS - 1) / KEYS * KEYS; }
 
-/* Asks the memory for one token's key heads (`heads` heads `head_stride` apart) before they are used */
-static inline void prefetch_key(const cache_t *token, int64_t heads, int64_t head_stride) {
+/* Asks the memory for one token's keys or values (`heads` heads `head_stride` apart, `size` elements each), every
+ * 64-byte line of them, before they are used */
+static inline void prefetch_token(const cache_t *token, int64_t heads, int64_t head_stride, int64_t size) {
     for (int64_t h = 0; h < heads; h++)
-        for (int64_t byte = 0; byte < HEAD_DIM * (int64_t)sizeof(cache_t); byte += 64)
+        for (int64_t byte = 0; byte < size * (int64_t)sizeof(cache_t); byte += 64)
             __builtin_prefetch((const char *)(token + h * head_stride) + byte);
 }
 
@@ -246,8 +251,9 @@ static int attend_piece(const Head *head, int64_t start, int64_t stop, float *re
     for (int64_t first = start; first < stop; first += KEYS) {
         int64_t at[KEYS];
         for (int t = 0; t < KEYS; t++) at[t] = token_at(head, first + t < stop ? first + t : stop - 1);
-        for (int64_t t = first + KEYS * KEYS_AHEAD; t < first + KEYS * (KEYS_AHEAD + 1) && t < stop; t++)
-            prefetch_key(head->key + token_at(head, t) * head->key_token, rows / group, head->key_head);
+        const int64_t ahead = first + KEYS * KEYS_AHEAD;
+        for (int64_t t = ahead; t < ahead + KEYS && t < stop; t++)
+            prefetch_token(head->key + token_at(head, t) * head->key_token, rows / group, head->key_head, HEAD_DIM);
         for (int64_t first_row = 0, kv = 0; first_row < rows; first_row += group, kv++) {
             const cache_t *key[KEYS];
             for (int t = 0; t < KEYS; t++) key[t] = head->key + at[t] * head->key_token + kv * head->key_head;
@@ -298,6 +304,11 @@ static int attend_piece(const Head *head, int64_t start, int64_t stop, float *re
         const int64_t count = stop - first < TOKEN_BLOCK ? stop - first : TOKEN_BLOCK;
         int64_t at[TOKEN_BLOCK];
         for (int64_t t = 0; t < count; t++) at[t] = token_at(head, first + t);
+        const int64_t ahead = first + TOKEN_BLOCK * VALUES_AHEAD;
+        for (int64_t t = ahead; t < ahead + TOKEN_BLOCK && t < stop; t++) {
+            const cache_t *token = head->value + token_at(head, t) * head->value_token;
+            prefetch_token(token, rows / group, head->value_head, VALUE_DIM);
+        }
         for (int64_t first_row = 0, kv = 0; first_row < rows; first_row += group, kv++) {
             const cache_t *value[TOKEN_BLOCK];
             for (int64_t t = 0; t < count; t++)
