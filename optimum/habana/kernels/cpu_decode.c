@@ -23,6 +23,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(CACHE_BF16) && defined(__AVX2__)
+#include <immintrin.h>
+#endif
 
 #ifndef HEAD_DIM
 #error "build with -DHEAD_DIM=<the heads' size>"
@@ -97,29 +100,35 @@ typedef struct {
  * - The dot products go KEYS keys at a time: a row's KEYS partial sums stay in registers over the head (each query
  *   vector loaded once for the KEYS keys), and one transposing tree of pairwise sums turns them into one vector of
  *   KEYS scores, stored at once (`sum_lanes`: 7 additions where summing each alone takes 3 each).
- * - The weighted sums go VALUE_ROWS rows x VALUE_VECTORS vectors of the head at a time: that block of sums stays in
- *   registers over TOKEN_BLOCK values, each value vector loaded once for all the block's rows. TOKEN_BLOCK values
- *   stay in the first-level cache while the blocks of rows and of the head pass over them; 16 measured faster than
- *   64 (the first pass over a block reads each value's first cache line only).
+ * - The weighted sums go up to VALUE_ROWS rows x VALUE_VECTORS(rows) vectors of the head at a time: that block of
+ *   sums stays in registers over TOKEN_BLOCK values, each value vector loaded once for all the block's rows, while
+ *   the block's values stay in the first-level cache for the blocks of rows and of the head that pass over them.
  *
  * The blocks are vectors of the GNU C vector extension (GCC and Clang lower them to the target's vectors, several
  * registers each where a vector is narrower than LANES floats): written as loops over plain arrays, GCC 12 kept the
  * blocks in memory, which is the load and store traffic this removes. 8 sums of each block and the operands in
  * flight fit AVX2's 16 vector registers. Measured on one core of an AMD EPYC (Zen 3) with the cache in L3, gpt-oss's
- * geometry went from 8.4 to 13.6 GB/s, SmolLM2's from 19.5 to 27.5.
+ * geometry went from 8.4 to 14 GB/s, SmolLM2's from 19.5 to 26.
  */
 #define LANES 8
 #define KEYS LANES /* one row's dot products with KEYS keys: one tree makes them one vector of scores */
 #define VALUE_ROWS 4
-#define VALUE_VECTORS 2
-#define TOKEN_BLOCK 16
-/* Each block's keys and values are asked for a while before they are used (KEYS_AHEAD blocks of keys, VALUES_AHEAD
- * blocks of values ahead): the arithmetic between two blocks leaves the CPU's own prefetchers behind, and the
- * weighted sums read a block's values a cache line of each at a time, an order they do not follow. Measured on one
- * core with the cache in memory: SmolLM2's values alone 1.7x faster, gpt-oss's whole step 1.25x; on 2 cores
- * gpt-oss's 15.5 -> 19.7 GB/s where without it 16.5 (further ahead measured no better). */
+/* Vectors of the head per block of the weighted sums, by the block's rows: 8 sums or more in flight. Each sum waits
+ * for its previous multiply-add (4 cycles on Zen 3, whose two FMA units 8 keep busy): one row's 2 vectors made
+ * Kimi's geometry (one row a head) slower than the old kernel. */
+#define VALUE_VECTORS(rows) ((rows) == 1 ? 8 : (rows) == 2 ? 4 : (rows) == 3 ? 3 : 2)
+#define MAX_VALUE_VECTORS 8
+/* Values per block: 16 of 256 bytes or less (SmolLM2's, gpt-oss's: 16 measured faster than 64 with the cache in L3),
+ * 4 of more. A block of the head's vectors reads its values a cache line of each, values apart: 16 of Llama-3's 512
+ * bytes measured 0.8x the old kernel's speed with the cache in memory, 4 on par. */
+#define TOKEN_BLOCK (VALUE_DIM * sizeof(cache_t) > 256 ? 4 : 16)
+/* Each block's keys and values are asked for before they are used (KEYS_AHEAD blocks of keys, VALUES_AHEAD blocks
+ * of values ahead, a few KiB): the arithmetic between two blocks leaves the CPU's own prefetchers behind, and the
+ * weighted sums' order of reading is not one they follow. Measured on one core with the cache in memory: SmolLM2's
+ * values alone 1.7x faster, gpt-oss's whole step 1.25x; on 2 cores gpt-oss's 16.5 -> 19.7 GB/s (further ahead
+ * measured no better). */
 #define KEYS_AHEAD 4
-#define VALUES_AHEAD 1
+#define VALUES_AHEAD (TOKEN_BLOCK == 4 ? 2 : 1)
 
 typedef float lanes __attribute__((vector_size(LANES * sizeof(float))));
 typedef int32_t lane_indices __attribute__((vector_size(LANES * sizeof(int32_t))));
@@ -132,7 +141,14 @@ static inline lanes load_floats(const float *from) {
 }
 
 static inline lanes load_cache(const cache_t *from) {
-#ifdef CACHE_BF16
+#if defined(CACHE_BF16) && defined(__AVX2__)
+    /* one widening instruction: GCC 12 lowers the vector extension's conversion of 8 uint16 in two 128-bit halves
+     * and a merge (5 instructions for each key and value vector, which made bfloat16 caches 2x float32's time) */
+    const __m256i widened = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)from)), 16);
+    lanes loaded;
+    memcpy(&loaded, &widened, sizeof loaded); /* the same bits as float32 */
+    return loaded;
+#elif defined(CACHE_BF16)
     uint16_t halves __attribute__((vector_size(LANES * sizeof(uint16_t))));
     memcpy(&halves, from, sizeof halves);
     typedef uint32_t words __attribute__((vector_size(LANES * sizeof(uint32_t))));
@@ -191,11 +207,11 @@ static inline __attribute__((always_inline)) void weighted_sum(const int rows, c
                                                                float *const sums[VALUE_ROWS],
                                                                const cache_t *const value[TOKEN_BLOCK],
                                                                int64_t count, int from) {
-    lanes block[VALUE_ROWS][VALUE_VECTORS];
+    lanes block[VALUE_ROWS][MAX_VALUE_VECTORS];
     for (int r = 0; r < rows; r++)
         for (int v = 0; v < vectors; v++) block[r][v] = load_floats(sums[r] + from + v * LANES);
     for (int64_t t = 0; t < count; t++) {
-        lanes values[VALUE_VECTORS];
+        lanes values[MAX_VALUE_VECTORS];
         for (int v = 0; v < vectors; v++) values[v] = load_cache(value[t] + from + v * LANES);
         for (int r = 0; r < rows; r++) {
             const float weight = weights[r][t];
@@ -207,14 +223,14 @@ static inline __attribute__((always_inline)) void weighted_sum(const int rows, c
 }
 
 /* The weighted sums of `rows` (a constant where it is called, at most VALUE_ROWS) rows over `count` values, all
- * VALUE_DIM of them: blocks of VALUE_VECTORS vectors, then of one, then the floats left over. */
+ * VALUE_DIM of them: blocks of VALUE_VECTORS(rows) vectors, then of one, then the floats left over. */
 static inline __attribute__((always_inline)) void weigh_values(const int rows, const float *const weights[VALUE_ROWS],
                                                                float *const sums[VALUE_ROWS],
                                                                const cache_t *const value[TOKEN_BLOCK],
                                                                int64_t count) {
     int d = 0;
-    for (; d + VALUE_VECTORS * LANES <= VALUE_DIM; d += VALUE_VECTORS * LANES)
-        weighted_sum(rows, VALUE_VECTORS, weights, sums, value, count, d);
+    for (; d + VALUE_VECTORS(rows) * LANES <= VALUE_DIM; d += VALUE_VECTORS(rows) * LANES)
+        weighted_sum(rows, VALUE_VECTORS(rows), weights, sums, value, count, d);
     for (; d + LANES <= VALUE_DIM; d += LANES) weighted_sum(rows, 1, weights, sums, value, count, d);
     for (; d < VALUE_DIM; d++) /* a value size not a multiple of LANES */
         for (int r = 0; r < rows; r++)
