@@ -264,6 +264,7 @@ static int attend_piece(const Head *head, int64_t start, int64_t stop, float *re
     /* The dot products, KEYS tokens at a time (every head of them: a paged token's heads lie side by side). A block
      * short of keys repeats its last key: rows are `stride` floats apart in `scores`, width rounded up to KEYS, so
      * that a block's scores are one store. */
+    const float scale = head->scale;
     for (int64_t first = start; first < stop; first += KEYS) {
         int64_t at[KEYS];
         for (int t = 0; t < KEYS; t++) at[t] = token_at(head, first + t < stop ? first + t : stop - 1);
@@ -275,18 +276,15 @@ static int attend_piece(const Head *head, int64_t start, int64_t stop, float *re
             for (int t = 0; t < KEYS; t++) key[t] = head->key + at[t] * head->key_token + kv * head->key_head;
             for (int64_t row = first_row; row < first_row + group; row++) {
                 const lanes dots = dot_block(head->query + row * head->query_row, key);
-                store_floats(scores + row * stride + first - start, dots);
+                store_floats(scores + row * stride + first - start, dots * scale); /* scaled as it is stored */
             }
         }
     }
-    /* Each row's scores: scaled and masked as before (the same arithmetic: score * scale, + the additive mask, -inf
+    /* Each row's scores masked (the same arithmetic as a score at a time: score * scale, + the additive mask, -inf
      * where the boolean mask forbids), then their maximum, exp and sum, each a loop over the row's tokens */
     for (int64_t row = 0; row < rows; row++) {
         float *row_scores = scores + row * stride;
-        const float scale = head->scale;
         const int64_t mask_at = row * head->mask_row + start * head->mask_token, step = head->mask_token;
-#pragma omp simd
-        for (int64_t i = 0; i < width; i++) row_scores[i] *= scale;
         if (head->additive) {
             const float *additive = head->additive + mask_at;
 #pragma omp simd
