@@ -118,17 +118,17 @@ typedef struct {
  * Kimi's geometry (one row a head) slower than the old kernel. */
 #define VALUE_VECTORS(rows) ((rows) == 1 ? 8 : (rows) == 2 ? 4 : (rows) == 3 ? 3 : 2)
 #define MAX_VALUE_VECTORS 8
-/* Values per block: 16 of 256 bytes or less (SmolLM2's, gpt-oss's: 16 measured faster than 64 with the cache in L3),
- * 4 of more. A block of the head's vectors reads its values a cache line of each, values apart: 16 of Llama-3's 512
- * bytes measured 0.8x the old kernel's speed with the cache in memory, 4 on par. */
-#define TOKEN_BLOCK (VALUE_DIM * sizeof(cache_t) > 256 ? 4 : 16)
+/* Values per block. The blocks of the head's vectors read the block's values a cache line of each, values apart;
+ * with the cache in memory and two threads, 4 values a block measured fastest (SmolLM2's and gpt-oss's geometry:
+ * 1.2x and 1.3x the old kernel's speed, where 16 measured 1.0x and 1.1x, and 8 slower still on Llama-3's 512-byte
+ * values), though with the cache in L3 16 computes faster. */
+#define TOKEN_BLOCK 4
 /* Each block's keys and values are asked for before they are used (KEYS_AHEAD blocks of keys, VALUES_AHEAD blocks
- * of values ahead, a few KiB): the arithmetic between two blocks leaves the CPU's own prefetchers behind, and the
- * weighted sums' order of reading is not one they follow. Measured on one core with the cache in memory: SmolLM2's
- * values alone 1.7x faster, gpt-oss's whole step 1.25x; on 2 cores gpt-oss's 16.5 -> 19.7 GB/s (further ahead
- * measured no better). */
-#define KEYS_AHEAD 4
-#define VALUES_AHEAD (TOKEN_BLOCK == 4 ? 2 : 1)
+ * of values ahead: a few KiB): the arithmetic between two blocks leaves the CPU's own prefetchers behind, and the
+ * weighted sums' order of reading is not one they follow. Measured with the cache in memory: SmolLM2's values alone
+ * 1.7x faster on one core; on two, gpt-oss's geometry 1.1-1.2x (further ahead measured no better). */
+#define KEYS_AHEAD 2
+#define VALUES_AHEAD 2
 
 typedef float lanes __attribute__((vector_size(LANES * sizeof(float))));
 typedef int32_t lane_indices __attribute__((vector_size(LANES * sizeof(int32_t))));
@@ -192,6 +192,29 @@ static inline lanes dot_block(const float *query, const cache_t *const key[KEYS]
     for (int d = 0; d + LANES <= HEAD_DIM; d += LANES) {
         const lanes row = load_floats(query + d);
         for (int t = 0; t < KEYS; t++) partial[t] += row * load_cache(key[t] + d);
+    }
+    lanes dots = sum_lanes(partial);
+    for (int d = HEAD_DIM / LANES * LANES; d < HEAD_DIM; d++) /* a head size not a multiple of LANES */
+        for (int t = 0; t < KEYS; t++) dots[t] += query[d] * widen(key[t][d]);
+    return dots;
+}
+
+/* The same dot products a key at a time, for groups of one row (Llama-2's, DeepSeek's and Kimi's heads): there a
+ * row shares nothing with another, and reading the block's keys in the order they lie in memory (each key's floats
+ * before the next key's) measured faster with the cache in memory (two threads, Kimi's heads of 192: 1.05x) than
+ * the keys side by side. Two sums per key, so that each waits on half the multiply-adds. */
+static inline lanes dot_block_sequential(const float *query, const cache_t *const key[KEYS]) {
+    lanes partial[KEYS];
+#pragma GCC unroll 1
+    for (int t = 0; t < KEYS; t++) {
+        lanes even = {0}, odd = {0};
+        int d = 0;
+        for (; d + 2 * LANES <= HEAD_DIM; d += 2 * LANES) {
+            even += load_floats(query + d) * load_cache(key[t] + d);
+            odd += load_floats(query + d + LANES) * load_cache(key[t] + d + LANES);
+        }
+        for (; d + LANES <= HEAD_DIM; d += LANES) even += load_floats(query + d) * load_cache(key[t] + d);
+        partial[t] = even + odd;
     }
     lanes dots = sum_lanes(partial);
     for (int d = HEAD_DIM / LANES * LANES; d < HEAD_DIM; d++) /* a head size not a multiple of LANES */
@@ -275,7 +298,8 @@ static int attend_piece(const Head *head, int64_t start, int64_t stop, float *re
             const cache_t *key[KEYS];
             for (int t = 0; t < KEYS; t++) key[t] = head->key + at[t] * head->key_token + kv * head->key_head;
             for (int64_t row = first_row; row < first_row + group; row++) {
-                const lanes dots = dot_block(head->query + row * head->query_row, key);
+                const float *query = head->query + row * head->query_row;
+                const lanes dots = group == 1 ? dot_block_sequential(query, key) : dot_block(query, key);
                 store_floats(scores + row * stride + first - start, dots * scale); /* scaled as it is stored */
             }
         }
