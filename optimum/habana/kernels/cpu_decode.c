@@ -109,8 +109,8 @@ typedef struct {
  * blocks in memory, which is the load and store traffic this removes. 8 sums of each block and the operands in
  * flight fit AVX2's 16 vector registers. Measured on an AMD EPYC (Zen 3) against the kernel a row and a key at a
  * time: one core, the cache in its L2, gpt-oss's geometry 8.5 -> 11.5 GB/s, SmolLM2's 19.4 -> 22.5; two cores, the
- * cache in memory, gpt-oss's 14.6 -> 19.4 GB/s, SmolLM2's 1.1-1.2x, Llama-3's 1.0-1.07x, MiMo-V2-Flash's (16 rows
- * a head of 192) 1.8x.
+ * cache in memory, gpt-oss's 15 -> 20-21 GB/s, SmolLM2's 1.2x, Llama-3's 0.98-1.07x, MiMo-V2-Flash's (16 rows a
+ * head of 192) 1.8x (docs/benchmarks.md, issue 42).
  */
 #define LANES 8
 #define KEYS LANES /* one row's dot products with KEYS keys: one tree makes them one vector of scores */
@@ -203,8 +203,9 @@ static inline lanes dot_block(const float *query, const cache_t *const key[KEYS]
 
 /* The same dot products a key at a time, for groups of one row (Llama-2's, DeepSeek's and Kimi's heads): there a
  * row shares nothing with another, and reading the block's keys in the order they lie in memory (each key's floats
- * before the next key's) measured faster with the cache in memory (two threads, Kimi's heads of 192: 1.05x) than
- * the keys side by side. Two sums per key, so that each waits on half the multiply-adds. */
+ * before the next key's) measured faster with the cache in memory than the keys side by side (two threads, Kimi's
+ * heads of 192: about the old kernel's speed, where side by side 0.9x). Two sums per key, so that each waits on half
+ * the multiply-adds. */
 static inline lanes dot_block_sequential(const float *query, const cache_t *const key[KEYS]) {
     lanes partial[KEYS];
 #pragma GCC unroll 1
@@ -284,10 +285,10 @@ static int attend_piece(const Head *head, int64_t start, int64_t stop, float *re
             if ((uint64_t)head->slots[token] >= (uint64_t)head->slot_count) return 2;
     }
     /* The dot products, a key/value head at a time (a dense piece has one; a paged piece all of them, which lie side
-     * by side in each token: a head at a time, the first pass over the piece's tokens brings the others' into the
-     * core's L2, where reading a block's tokens with all their heads measured SmolLM2's geometry at 0.8x the old
-     * kernel's speed), KEYS tokens at a time. A block short of keys repeats its last key: rows are `stride` floats
-     * apart in `scores`, width rounded up to KEYS, so that a block's scores are one store. */
+     * by side in each token: a block's tokens with all their heads measured the paged entry at 0.8x the old kernel's
+     * speed on SmolLM2's geometry, a head at a time 0.9x, and 1.2-1.4x on gpt-oss's and Llama-3's), KEYS tokens at a
+     * time. A block short of keys repeats its last key: rows are `stride` floats apart in `scores`, width rounded up
+     * to KEYS, so that a block's scores are one store. */
     const float scale = head->scale;
     for (int64_t first_row = 0, kv = 0; first_row < rows; first_row += group, kv++) {
         for (int64_t first = start; first < stop; first += KEYS) {
