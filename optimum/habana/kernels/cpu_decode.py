@@ -3,9 +3,9 @@
 At long context a decode step is bound by reading the KV cache, but PyTorch's CPU flash kernel is not: its small
 matrix products (a few query rows against blocks of keys) and its softmax made it take about 2x the time of one read
 of the cache on a decode step, in every formulation measured (docs/benchmarks.md). `cpu_decode.c` does what such a
-step needs and nothing else: each key's dot products with the head's few query rows while the key is in cache, an
-exp that vectorises, the weighted sum of the values, the context cut into chunks so that every thread reads a share
-(flash-decoding), and the chunks combined exactly.
+step needs and nothing else: the head's few query rows' dot products with its keys and their weighted sum of the
+values in blocks held in registers (each key and value loaded once for the rows), an exp that vectorises, the context
+cut into chunks so that every thread reads a share (flash-decoding), and the chunks combined exactly.
 
 It is compiled for this machine (`-march=native`, one library per head size and cache dtype: float32, or bfloat16
 widened as it is read) into the library's cache folder the first time a decode step needs it, in about 0.2 s, and
@@ -43,7 +43,8 @@ CHUNK_MIN = 256
 CHUNK_MAX = 2048
 # A paged call's piece reads all the heads of its tokens, so its scores are all the query heads' rows: 256 tokens keep
 # them in a core's first-level cache (measured on SmolLM2's 9 query heads at 512 x 8 to 8192 x 1 tokens, 2 threads:
-# 1.1-1.25x faster than 2048, which larger chunks of the dense call's 3 rows do not lose).
+# 1.1-1.25x faster than 2048, which larger chunks of the dense call's 3 rows do not lose; the register-blocked kernel
+# measured 128 to 1024 within noise).
 PAGED_CHUNK = 256
 # The caches it reads, by the macro that builds it for them: float32, and bfloat16 (widened as it is read).
 CACHE_DTYPES = {torch.float32: "", torch.bfloat16: "-DCACHE_BF16"}
