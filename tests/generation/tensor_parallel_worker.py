@@ -70,7 +70,7 @@ def resolve_gguf(folder: Path, launch: distributed.LaunchEnvironment) -> dict:
     """A .gguf path under TP: converted once per machine, then found in the cache; a bad file stops every rank."""
     conversions = folder / "conversions.txt"
 
-    def convert(gguf_path: Path, output_dir: Path) -> None:  # stands in for the ~20 s de-quantization
+    def convert(gguf_path: Path, output_dir: Path) -> None:  # stands in for the ~10 s de-quantization
         with conversions.open("a") as file:
             file.write(f"{launch.rank}\n")
         (output_dir / "config.json").write_text("{}")
