@@ -38,7 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tokens", nargs="+", type=int, default=[4096, 8192, 16384])
     parser.add_argument("--sizes", nargs="+", type=int, default=[1, 2], help="Processes each sequence is split over.")
     parser.add_argument("--threads", type=int, default=1, help="Torch threads per process.")
-    parser.add_argument("--timed_steps", type=int, default=1, help="Timed steps after the memory step (fastest).")
+    parser.add_argument(
+        "--timed_steps", type=int, default=1, help="Timed steps after the memory step (fastest); 0: memory only."
+    )
     parser.add_argument("--memory_limit_gb", type=float, default=0, help="Cap on each process's step, GiB (0: none).")
     parser.add_argument("--timeout", type=float, default=1800.0, help="Seconds per launch; past it: timeout.")
     parser.add_argument("--seed", type=int, default=0)
@@ -53,9 +55,11 @@ def usage_error(parser: argparse.ArgumentParser, message: str) -> NoReturn:
 def check_arguments(parser: argparse.ArgumentParser, arguments: argparse.Namespace) -> None:
     """Values that need no model; one line each, before anything runs."""
     heads = PRESETS[arguments.model].num_attention_heads
-    for name in ("layers", "intermediate_size", "threads", "timed_steps"):
+    for name in ("layers", "intermediate_size", "threads"):
         if getattr(arguments, name) < 1:
             usage_error(parser, f"--{name} must be at least 1, got {getattr(arguments, name)}.")
+    if arguments.timed_steps < 0:
+        usage_error(parser, f"--timed_steps must be 0 (memory only) or more, got {arguments.timed_steps}.")
     for size in arguments.sizes:
         if size < 1 or heads % size:
             usage_error(parser, f"--sizes {size}: {arguments.model} has {heads} heads, which {size} must divide.")
@@ -98,6 +102,11 @@ def table(cells: list[dict[str, Any]]) -> str:
                 "step's extra per process [GiB]": number(cell.get("extra_memory_bytes"), 2, GB) if ok else "-",
                 "extra / 1 process's": number(
                     ratio(cell.get("extra_memory_bytes"), alone and alone["extra_memory_bytes"])
+                )
+                if ok and alone
+                else "-",
+                "peak / 1 process's": number(
+                    ratio(cell.get("peak_memory_bytes"), alone and alone["peak_memory_bytes"])
                 )
                 if ok and alone
                 else "-",

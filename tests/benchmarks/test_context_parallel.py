@@ -21,6 +21,7 @@ def script():
         ),
         (["--threads", "0", "--sizes", "1"], "--threads must be at least 1, got 0."),
         (["--memory_limit_gb", "-1", "--sizes", "1"], "--memory_limit_gb must be 0 (no cap) or more, got -1.0."),
+        (["--timed_steps", "-1", "--sizes", "1"], "--timed_steps must be 0 (memory only) or more, got -1."),
     ],
 )
 def test_values_that_cannot_run_are_refused_in_one_line(script, capsys, argv, message):
@@ -40,9 +41,14 @@ def test_the_table_compares_each_split_with_one_process_and_names_the_longest_le
         {"tokens": 4096, "size": 1, "status": "oom"},
         {"tokens": 4096, "size": 2, "status": "ok", "peak_memory_bytes": 3 * gib, "extra_memory_bytes": 2 * gib,
          "tokens_per_second": 70.0},
+        {"tokens": 8192, "size": 1, "status": "ok", "peak_memory_bytes": 8 * gib, "extra_memory_bytes": 6 * gib,
+         "tokens_per_second": None},  # --timed_steps 0: memory only
+        {"tokens": 8192, "size": 2, "status": "ok", "peak_memory_bytes": 5 * gib, "extra_memory_bytes": 3 * gib,
+         "tokens_per_second": None},
     ]  # fmt: skip
     rows = [[cell.strip() for cell in line.strip("|").split("|")] for line in script.table(cells).splitlines()[2:]]
-    assert rows[1] == ["2048", "2", "2.00", "1.00", "0.50", "80.0"]
-    assert rows[2] == ["4096", "1", "oom", "-", "-", "-"]
-    assert rows[3][4] == "-"  # no one-process cell to compare with
-    assert script.longest(cells, [1, 2]) == "- 1 process(es): 2048\n- 2 process(es): 4096"
+    assert rows[1] == ["2048", "2", "2.00", "1.00", "0.50", "0.67", "80.0"]
+    assert rows[2] == ["4096", "1", "oom", "-", "-", "-", "-"]
+    assert rows[3][4:6] == ["-", "-"]  # no one-process cell to compare with
+    assert rows[5] == ["8192", "2", "5.00", "3.00", "0.50", "0.62", "-"]
+    assert script.longest(cells, [1, 2]) == "- 1 process(es): 8192\n- 2 process(es): 8192"

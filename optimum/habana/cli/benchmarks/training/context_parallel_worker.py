@@ -63,7 +63,7 @@ def measure(task: dict[str, Any], split: SequenceSplit) -> dict[str, Any]:
         split_step(model, inputs)
         dist.barrier(group=split.group)
         times.append(time.perf_counter() - start)
-    return {"peak": peak, "extra": peak - resident, "seconds": min(times)}
+    return {"peak": peak, "extra": peak - resident, "seconds": min(times) if times else None}
 
 
 def main(argv: list[str]) -> int:
@@ -82,13 +82,14 @@ def main(argv: list[str]) -> int:
     every: list[Any] = [None] * split.size
     dist.all_gather_object(every, measured, group=split.group)
     if split.rank == 0:
-        seconds = max(result["seconds"] for result in every)
+        timed = [result["seconds"] for result in every if result["seconds"] is not None]
+        seconds = max(timed) if timed else None  # --timed_steps 0: the memory step alone
         result = {
             "status": "ok",
             "peak_memory_bytes": max(result["peak"] for result in every),
             "extra_memory_bytes": max(result["extra"] for result in every),
             "step_seconds": seconds,
-            "tokens_per_second": task["tokens"] / seconds,
+            "tokens_per_second": task["tokens"] / seconds if seconds else None,
         }
         print(RESULT_MARKER + json.dumps(result), flush=True)
     dist.destroy_process_group()
