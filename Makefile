@@ -17,9 +17,12 @@ test:
 	$(PYTHON) -m pytest -n $(PYTEST_WORKERS) --dist worksteal --durations=20 tests
 
 # Every qualifying family's static-cache generate, training step, packed training step, and decode steps on the
-# decode kernel and cut for idle threads, and continuous batching (about a minute on 2 cores): the `families` marker, which `make test` leaves out; CI runs both.
+# decode kernel and cut for idle threads, and continuous batching, and the written families' cases of the core tests
+# that `make test` runs for a representative few: the `families` marker, which `make test` leaves out; CI runs both.
+FAMILY_TESTS = tests/families tests/core/test_graph_capture.py tests/core/test_continuous_batching.py
+
 test-families:
-	$(PYTHON) -m pytest -n $(PYTEST_WORKERS) -m families tests/families
+	$(PYTHON) -m pytest -n $(PYTEST_WORKERS) -m families $(FAMILY_TESTS)
 
 quality:
 	$(PYTHON) -m ruff check .

@@ -296,6 +296,14 @@ def write_gguf(path: Path, arch: str) -> Path:
 # The 14 families with written classes: the features tested in depth (tests/core, the scripts) run over these; every
 # other qualifying family is held to the contract in tests/families/.
 FAMILIES = tuple(GAUDI_CAUSAL_LM_CLASSES)
+
+
+def in_make_test(values, kept) -> list:
+    """`values` as parameters, those not in `kept` under the `families` marker: `make test` runs the kept ones (a
+    representative of each code path), `make test-families` the rest (CI runs both)."""
+    return [pytest.param(value, marks=() if value in kept else pytest.mark.families) for value in values]
+
+
 # Gemma 2 soft-caps its attention logits, which no fused kernel computes: those calls take the default path.
 SOFT_CAPPED = {"gemma2"}
 

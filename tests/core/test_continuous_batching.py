@@ -13,7 +13,14 @@ from transformers.generation.configuration_utils import ContinuousBatchingConfig
 from transformers.generation.continuous_batching.requests import RequestStatus
 
 from optimum.habana.transformers import attention
-from tests.helpers import FAMILIES, SLIDING_WINDOW_CONFIGS, SOFT_CAPPED, build_pair, count_attention_paths
+from tests.helpers import (
+    FAMILIES,
+    SLIDING_WINDOW_CONFIGS,
+    SOFT_CAPPED,
+    build_pair,
+    count_attention_paths,
+    in_make_test,
+)
 
 
 LENGTHS = (5, 9, 3, 12)  # mixed lengths, some past the 5-token sliding windows
@@ -52,7 +59,9 @@ def models(model_type: str, **overrides):
     return build_pair(model_type, **overrides)
 
 
-@pytest.mark.parametrize("model_type", FAMILIES)
+# Llama, and Gemma 2 (soft-capped: the default path, and stock's engine on eager); the others under `families`, where
+# tests/families/test_family_depth.py serves every family with the flag too
+@pytest.mark.parametrize("model_type", in_make_test(FAMILIES, kept={"llama", "gemma2"}))
 def test_generate_batch_matches_generate_and_stock_continuous_batching(model_type, monkeypatch):
     ours, stock = models(model_type)
     if model_type not in SOFT_CAPPED:  # stock Gemma 2 has no sdpa: its engine runs "paged|eager"
