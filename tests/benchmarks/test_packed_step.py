@@ -1,7 +1,9 @@
 """Smoke test of examples/language-modeling/benchmark_packed_step.py: a fresh process per path, the table, the
-ratios to the floor. No timing assertions. The script's main runs in this process; its workers in their own."""
+ratios to the floor. No timing assertions. The script's main runs in this process; its workers in their own, but for
+the compiled step's."""
 
 import pytest
+import torch
 
 from tests.helpers import load_script
 
@@ -26,7 +28,14 @@ def test_packed_step_table_has_every_path_and_its_ratio_to_the_floor(script, cap
         assert float(cells[1]) > 0 and float(cells[3]) > 0
 
 
-def test_a_compiled_padded_step_is_measured(script, capsys):
+def test_a_compiled_padded_step_is_measured(script, capsys, monkeypatch, threads):
+    """The worker in this process (the test above runs them in their own; a process costs seconds of imports)."""
+
+    def in_this_process(path: str, argv: list[str], timeout: float) -> dict:
+        return {"status": "ok", **script.measure(script.parse_arguments([*argv, "--worker", path]))}
+
+    monkeypatch.setattr(script, "run_path", in_this_process)
+    threads(torch.get_num_threads())  # the worker sets --threads 1: restored after the test
     argv = [
         "--layers",
         "1",
