@@ -1,7 +1,9 @@
 """run_lora_clm.py --context_parallel_size: two processes under torchrun train as one process does."""
 
+import importlib.util
 import json
 import os
+import socket
 import subprocess
 import sys
 
@@ -21,14 +23,37 @@ def logged_losses(output_dir) -> list[float]:
     return [entry["loss"] for entry in state["log_history"] if "loss" in entry]
 
 
-def test_two_processes_splitting_each_sequence_train_as_one_process(script, checkpoint, tmp_path):
+def launcher_arguments(launcher: str) -> list[str]:
+    """torchrun, or DeepSpeed's launcher (the `deepspeed` command), which sets the same variables and adds
+    --local_rank=i; it takes no port 0, so a port free a moment ago."""
+    if launcher == "torchrun":
+        return ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    return ["-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", str(port)]
+
+
+@pytest.mark.parametrize(
+    "launcher",
+    [
+        "torchrun",
+        pytest.param(
+            "deepspeed",
+            marks=pytest.mark.skipif(
+                importlib.util.find_spec("deepspeed") is None, reason="DeepSpeed is optional: pip install deepspeed"
+            ),
+        ),
+    ],
+)
+def test_two_processes_splitting_each_sequence_train_as_one_process(script, checkpoint, tmp_path, launcher):
     one, two = tmp_path / "one", tmp_path / "two"
     argv = [*STEPS.split(), *EXACT.split(), "--use_flash_attention"]
     alone = run_script(script, script_args(checkpoint, one, *argv))
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(SCRIPT)]
+    command = [sys.executable, *launcher_arguments(launcher), str(SCRIPT)]
     command += script_args(checkpoint, two, *argv, "--context_parallel_size", "2")
     done = subprocess.run(
-        command, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"}
+        command, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"}
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert alone.counts["fused"] > 0 and alone.counts["default"] == 0
