@@ -4,6 +4,7 @@ scripts loaded as modules, and the checkpoints, tokenizers and files they are gi
 import importlib.util
 import json
 import os
+import socket
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -272,6 +273,13 @@ def save_tiny_checkpoint(folder: Path, chat_template: bool = True, model_type: s
     AutoModelForCausalLM.from_config(config).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
+
+
+def free_port() -> int:
+    """A port free a moment ago (for a launcher or server that takes no port 0; another process may take it first)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 def write_gguf(path: Path, arch: str) -> Path:

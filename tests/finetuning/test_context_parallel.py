@@ -3,7 +3,6 @@
 import importlib.util
 import json
 import os
-import socket
 import subprocess
 import sys
 
@@ -11,6 +10,7 @@ import pytest
 from safetensors.torch import load_file
 
 from tests.finetuning.support import SCRIPT, run_script, script_args
+from tests.helpers import free_port
 
 
 STEPS = "--do_train --max_steps 3 --per_device_train_batch_size 2 --logging_steps 1 --learning_rate 1e-2"
@@ -25,13 +25,10 @@ def logged_losses(output_dir) -> list[float]:
 
 def launcher_arguments(launcher: str) -> list[str]:
     """torchrun, or DeepSpeed's launcher (the `deepspeed` command), which sets the same variables and adds
-    --local_rank=i; it takes no port 0, so a port free a moment ago."""
+    --local_rank=i; it takes no port 0 (its default port hung beside other launches)."""
     if launcher == "torchrun":
         return ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    return ["-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", str(port)]
+    return ["-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", str(free_port())]
 
 
 @pytest.mark.parametrize(

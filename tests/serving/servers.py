@@ -3,7 +3,6 @@ as transformers' own serving tests run it) on 127.0.0.1, and plain HTTP helpers 
 
 import http.client
 import json
-import socket
 import subprocess
 import time
 import urllib.error
@@ -31,12 +30,6 @@ CB_OPTIONS = {"cb_block_size": 16, "cb_num_blocks": 64, "cb_max_batch_tokens": 1
 ENDLESS = 150_000
 CB_ENDLESS = 30_000
 LONG_CB_CACHE = {"cb_block_size": 16, "cb_num_blocks": 2000, "cb_max_batch_tokens": 64}  # 32000 tokens
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def listening_port(server, timeout_s: float = 120) -> int:

@@ -10,8 +10,7 @@ from transformers.utils.import_utils import is_bitsandbytes_available
 
 from optimum.habana.cli.serving import server
 from optimum.habana.cli.serving.command import main as serve_main
-from tests.helpers import save_tiny_checkpoint
-from tests.serving.servers import free_port
+from tests.helpers import free_port, save_tiny_checkpoint
 
 
 def run(argv: list[str], capsys, status: int = 2) -> list[str]:

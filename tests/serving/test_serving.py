@@ -21,7 +21,7 @@ from optimum.habana.cli.serving.command import main as serve_main
 from optimum.habana.cli.serving.server import GaudiServe
 from optimum.habana.transformers import GaudiLlamaForCausalLM
 from optimum.habana.utils.model_loading import CACHE_ENV_VAR
-from tests.helpers import count_attention_paths, save_tiny_checkpoint, train_tiny_tokenizer
+from tests.helpers import count_attention_paths, free_port, save_tiny_checkpoint, train_tiny_tokenizer
 from tests.serving.servers import (
     CB_ENDLESS,
     CB_OPTIONS,
@@ -29,7 +29,6 @@ from tests.serving.servers import (
     MAX_TOKENS,
     TIMEOUT_S,
     RunningServer,
-    free_port,
     openai,
     wait_until_healthy,
 )
