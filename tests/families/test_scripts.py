@@ -9,7 +9,7 @@ import torch
 from tests.families.support import save_family_checkpoint
 from tests.finetuning.support import TOLERANCE, build_tokenizer, run_script, script_args
 from tests.generation.support import outputs, run_in_process
-from tests.helpers import count_attention_paths, load_script, train_tiny_tokenizer
+from tests.helpers import count_attention_paths, in_make_test, load_script, train_tiny_tokenizer
 
 
 VARIANT_FAMILIES = {
@@ -99,10 +99,7 @@ EXPLAINED = {
 @pytest.mark.parametrize(
     "model_type",
     # gpt-oss's calls take every transform (sinks, query groups as rows, padded values); the rest under `families`
-    [
-        pytest.param(model_type, marks=() if model_type == "gpt_oss" else pytest.mark.families)
-        for model_type in VARIANT_FAMILIES
-    ],
+    in_make_test(VARIANT_FAMILIES, kept={"gpt_oss"}),
 )
 def test_explain_names_each_layers_variant_and_the_kernel_path_of_each_call(model_type, tmp_path, monkeypatch):
     """--explain's account of a call is `fused_sdpa`'s own decision (`kernel_path`): every path a real run takes,
