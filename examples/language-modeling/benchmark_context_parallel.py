@@ -88,28 +88,25 @@ def launch(task: dict[str, Any], size: int, timeout: float) -> dict[str, Any]:
     return {"status": "error", "error": lines[-1] if lines else f"exit code {done.returncode}"}
 
 
+def against_one(cell: dict[str, Any], alone: dict[str, Any] | None, key: str) -> str:
+    """A measured cell's memory over one process's at the same length, or "-" without that one."""
+    return number(ratio(cell.get(key), alone[key])) if alone else "-"
+
+
 def table(cells: list[dict[str, Any]]) -> str:
     one = {cell["tokens"]: cell for cell in cells if cell["size"] == 1 and cell["status"] == "ok"}
     rows = []
     for cell in cells:
         ok = cell["status"] == "ok"
-        alone = one.get(cell["tokens"])
+        alone = one.get(cell["tokens"]) if ok else None
         rows.append(
             {
                 "tokens": str(cell["tokens"]),
                 "processes": str(cell["size"]),
                 "peak per process [GiB]": number(cell.get("peak_memory_bytes"), 2, GB) if ok else cell["status"],
                 "step's extra per process [GiB]": number(cell.get("extra_memory_bytes"), 2, GB) if ok else "-",
-                "extra / 1 process's": number(
-                    ratio(cell.get("extra_memory_bytes"), alone and alone["extra_memory_bytes"])
-                )
-                if ok and alone
-                else "-",
-                "peak / 1 process's": number(
-                    ratio(cell.get("peak_memory_bytes"), alone and alone["peak_memory_bytes"])
-                )
-                if ok and alone
-                else "-",
+                "extra / 1 process's": against_one(cell, alone, "extra_memory_bytes"),
+                "peak / 1 process's": against_one(cell, alone, "peak_memory_bytes"),
                 "tokens/s": number(cell.get("tokens_per_second"), 1) if ok else "-",
             }
         )
