@@ -158,12 +158,46 @@ def test_families_the_engine_cannot_serve_are_refused_before_any_request(model_t
         check_engine_serves(ours)
 
 
-@pytest.mark.parametrize(("model_type", "path"), [("llama", ("model",)), ("opt", ("model", "decoder"))])
+@pytest.mark.parametrize(
+    ("model_type", "path"),
+    [("llama", ("model",)), ("opt", ("model", "decoder")), ("llama4_text", ("model",))],  # Llama 4's prefix differs
+)
 def test_the_decoder_is_the_module_the_causal_lm_calls(model_type, path):
     from optimum.habana import gaudi_model_class
 
     stock = next(cls for cls in gaudi_model_class(model_type).__mro__ if cls.__module__.startswith("transformers."))
     assert decoder_path(stock) == path
+
+
+class Decoder(nn.Module):
+    def forward(self, input_ids=None, attention_mask=None, **kwargs):
+        return create_causal_mask(attention_mask=attention_mask)
+
+
+class CausalLMUnderAnotherPrefix(nn.Module):
+    """Llama 4's causal LM: its base-model prefix names the multimodal model's attribute, its decoder is `model`."""
+
+    base_model_prefix = "language_model"
+
+    def __init__(self):
+        super().__init__()
+        self.model = Decoder()
+        self.lm_head = nn.Linear(4, 4)
+
+    def forward(self, input_ids=None, attention_mask=None, **kwargs):
+        hidden_states = self.model(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+        return self.lm_head(hidden_states)
+
+
+def test_the_decoder_is_the_module_handed_the_attention_mask_whatever_the_prefix_says():
+    assert decoder_path(CausalLMUnderAnotherPrefix) == ("model",)
+
+
+@pytest.mark.parametrize("model_type", ["llama4_text", "llama4"])
+def test_llama4_runs_mask_free(model_type):
+    """Only its attention reads the masks its decoder builds: a reading that looked the decoder up under the base
+    model's prefix ("language_model", the multimodal model's attribute) found none and said otherwise."""
+    assert family_report(model_type).mask_free
 
 
 @pytest.mark.parametrize("model_type", ["deepseek_v4", "nemotron_h", "inkling2_text", "opt"])

@@ -37,6 +37,7 @@ from .source_facts import (
     builds_masks_with_transformers,
     call_keywords,
     computes_attention_itself,
+    decoder_path,
     init_names,
     interface_calls,
     interface_lookup_names_of,
@@ -357,7 +358,7 @@ def _layer_kinds(config: object) -> set[str]:
 
 def _mask_free(stock: type, edges: dict[type, list[tuple[str, type]]], attention: set[type]) -> bool:
     """Whether only the attention function reads the decoder's 4-D masks, built by transformers from the 2-D mask."""
-    decoder = next((child for attribute, child in edges.get(stock, []) if attribute == stock.base_model_prefix), None)
+    decoder = _decoder_class(stock, edges)
     if decoder is None or not builds_masks_with_transformers(decoder):
         return False
     if mask_uses(decoder, allowed_calls=MASK_BUILDERS):
@@ -371,6 +372,19 @@ def _mask_free(stock: type, edges: dict[type, list[tuple[str, type]]], attention
         if mask_uses(holder, allowed_calls=frozenset(f"self.{name}" for name in attributes)):
             return False
     return True
+
+
+def _decoder_class(stock: type, edges: dict[type, list[tuple[str, type]]]) -> type | None:
+    """The class of the decoder the causal LM's forward calls (`decoder_path`), or None where it calls none, or the
+    path leads to no submodule of one class."""
+    path = decoder_path(stock)
+    decoder = stock if path else None
+    for attribute in path:
+        classes = {child for name, child in edges.get(decoder, []) if name == attribute}
+        decoder = classes.pop() if len(classes) == 1 else None
+        if decoder is None:
+            return None
+    return decoder
 
 
 _MASK_FREE: dict[str, bool] = {}

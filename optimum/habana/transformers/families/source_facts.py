@@ -315,13 +315,16 @@ def call_keywords(cls: type, attribute: str) -> set[str]:
 
 @functools.cache
 def decoder_path(cls: type) -> tuple[str, ...]:
-    """The attribute path from the causal LM to the decoder its forward calls: `("model",)` for most families,
-    `("model", "decoder")` where it calls `self.model.decoder(...)` (OPT), past the base model's own forward; empty
-    where no call starts at the base model's prefix (the base model is then the decoder)."""
-    prefix = cls.base_model_prefix
+    """The attribute path from the causal LM to the decoder its forward calls: the submodule it hands the attention
+    mask to (where the masks are built), `("model",)` for most families, `("model", "decoder")` where it calls
+    `self.model.decoder(...)` (OPT), past the base model's own forward. Read off that call, not off the base model's
+    prefix, which can name another model's attribute (Llama 4's causal LM: "language_model", the multimodal model's
+    name for it, while its decoder is `self.model`). Where no call takes the mask, the call that starts at the
+    prefix; empty where there is none either (the base model is then the decoder)."""
     located = method(cls, "forward")
     if located is None:
         return ()
+    at_prefix = ()
     for node in ast.walk(located[1]):
         if not isinstance(node, ast.Call):
             continue
@@ -329,9 +332,13 @@ def decoder_path(cls: type) -> tuple[str, ...]:
         while isinstance(target, ast.Attribute):
             path.insert(0, target.attr)
             target = target.value
-        if _is_self(target) and path and path[0] == prefix:
+        if not (_is_self(target) and path):
+            continue
+        if any(keyword.arg == "attention_mask" for keyword in node.keywords):
             return tuple(path)
-    return ()
+        if path[0] == cls.base_model_prefix and not at_prefix:
+            at_prefix = tuple(path)
+    return at_prefix
 
 
 @functools.cache
