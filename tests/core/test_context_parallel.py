@@ -18,6 +18,7 @@ from optimum.habana.transformers.context_parallel import (
     SequenceSplit,
     context_parallel_refusal,
     key_value_replication,
+    temperature_at_own_positions,
 )
 from optimum.habana.transformers.context_parallel.trainer import (
     ContextParallelTrainer,
@@ -42,6 +43,7 @@ VARIANT_CASES = [
     "deepseek_v3:padded:on",  # latent attention: the value head narrower than the query's
     "gemma4_text:padded:off",  # per-layer head counts and sizes
     "qwen3_moe:packed:on",  # a mixture of experts
+    "llama4_text:padded:on",  # chunks across the processes' cut; a NoPE layer's queries scaled by their position
 ]
 TOLERANCE = 1e-5  # fp32, relative: the split only reorders additions
 
@@ -94,6 +96,34 @@ def test_the_split_pads_shifts_and_numbers_the_positions():
     assert torch.equal(second["labels"], second["shift_labels"])
     assert second["position_ids"].tolist() == [[4, 5, 6, 7]]
     assert second["attention_mask"].tolist() == [[1, 1, 1, 0]]
+
+
+def test_a_process_gives_its_queries_the_temperature_of_its_own_positions(monkeypatch):
+    """Llama 4's NoPE layers scale each query by its position counted from the call's first token: the second of two
+    processes (positions 12 to 23) gets the scales of 0 to 11 from the layer, and those of 12 to 23 after the
+    correction, as one process computes them over the whole sequence; in a graph without a break."""
+    from transformers.models.llama4 import modeling_llama4
+
+    config = tiny_family_config("llama4_text", gaudi_model_class("llama4_text").config_class)
+    queries = []
+
+    def capture(module, query, key, value, attention_mask, **kwargs):
+        queries.append(query)
+        return query.transpose(1, 2), None
+
+    monkeypatch.setattr(modeling_llama4.ALL_ATTENTION_FUNCTIONS, "get_interface", lambda *args: capture)
+    nope, rotary = (modeling_llama4.Llama4TextAttention(config, layer_idx=index) for index in (2, 1))
+    assert nope.attn_temperature_tuning and not nope.use_rope and rotary.use_rope
+    hidden_states = torch.randn(2, 24, config.hidden_size)
+    with torch.no_grad():
+        nope(hidden_states, None, None)
+        nope(hidden_states[:, 12:], None, None)
+    whole, own = queries
+    assert not torch.allclose(own, whole[:, :, 12:])  # the scale varies along the sequence
+    corrected = torch.compile(temperature_at_own_positions, backend="eager", fullgraph=True)(nope, own, 12)
+    torch.testing.assert_close(corrected, whole[:, :, 12:])
+    assert temperature_at_own_positions(rotary, own, 12) is own
+    assert temperature_at_own_positions(nope, own, 0) is own
 
 
 def test_key_value_heads_are_repeated_only_where_that_is_exact():

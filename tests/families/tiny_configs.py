@@ -129,6 +129,10 @@ OVERRIDES: dict[str, dict] = {
     # its shared transformer block is tied across its attention layers: two of them
     "zamba": {"num_hidden_layers": 5},
 }
+# Llama 4 as its checkpoints are: chunked layers with rotary embeddings, then a full-attention layer without (NoPE),
+# here every third, whose queries are scaled by their position (temperature tuning), from the second token on, not
+# the 8192nd.
+OVERRIDES["llama4"] = OVERRIDES["llama4_text"] = {"no_rope_layer_interval": 3, "floor_scale": 2}
 MAX_LAYERS = 8
 
 

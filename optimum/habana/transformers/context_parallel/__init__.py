@@ -5,7 +5,9 @@ those positions alone (embeddings, norms, MLPs, the LM head and the loss: memory
 Inside attention the split turns: an all-to-all hands every process the whole sequence for H/N of the heads, the
 Gaudi attention runs on them, and a second all-to-all hands each process its own positions back for all heads.
 So every per-head variant runs unchanged over the whole sequence (windows, sinks, chunks, latent attention,
-per-layer head sizes), which ring attention would have to rewrite block by block.
+per-layer head sizes), which ring attention would have to rewrite block by block. The one thing a layer computes
+from the call's own positions before its attention function, Llama 4's NoPE layers' query temperature (counted
+from the call's first token), is given each process's own positions there (`temperature_at_own_positions`).
 
 The split reaches the layers as the forward argument `context_parallel` (a `SequenceSplit`), which transformers
 hands from the decoder to every attention call with the other keyword arguments; nothing is stored on the model.
@@ -253,6 +255,7 @@ class SequenceSplit:
                     "sinks of one logit per head only."
                 )
             kwargs[name] = sinks.unflatten(0, (self.size, -1))[self.rank]
+        query = temperature_at_own_positions(module, query, self.rank * query.shape[2])
         query, key, value = (self._heads_to_sequence(tensor) for tensor in (query, key, value))
         output, _ = attention(module, query, key, value, attention_mask, **kwargs)
         return self._sequence_to_heads(output), None
@@ -270,6 +273,27 @@ class SequenceSplit:
         pieces = output.reshape(batch, self.size, length // self.size, heads, size).transpose(0, 1).contiguous()
         received = collectives.all_to_all_single_autograd(pieces, None, None, self.group)  # [N: heads, ...]
         return received.permute(1, 2, 0, 3, 4).reshape(batch, length // self.size, self.size * heads, size)
+
+
+def temperature_at_own_positions(module: nn.Module, query: torch.Tensor, first: int) -> torch.Tensor:
+    """`query` `[B, H, q, D]` of positions `first`, `first + 1`, ... with the attention temperature of those positions,
+    where the module scaled it by that of positions 0, 1, ...
+
+    Llama 4's layers without rotary embeddings (`attn_temperature_tuning and not use_rope`) scale each query before
+    calling the attention function, by `log1p(floor((i + 1) / floor_scale)) * attn_scale + 1` with `i` counted from
+    the call's first token (transformers' `Llama4TextAttention.forward`): on a process that holds positions from
+    `first` on, that is the scale of the wrong positions. Each row is multiplied by scale(first + i) / scale(i)
+    (scale >= 1, never 0), computed in the graph from the module's own numbers: no host read, no data-dependent branch.
+    Any other module's query is returned as it is."""
+    if first == 0 or not getattr(module, "attn_temperature_tuning", False) or getattr(module, "use_rope", True):
+        return query
+    local = torch.arange(query.shape[2], device=query.device, dtype=torch.float32)
+
+    def scale(positions: torch.Tensor) -> torch.Tensor:
+        return torch.log1p(torch.floor((positions + 1.0) / module.floor_scale)) * module.attn_scale + 1.0
+
+    ratio = scale(local + first) / scale(local)
+    return (query * ratio[:, None]).to(query.dtype)
 
 
 def _is_per_position(value: Any, rows: int, length: int) -> bool:
@@ -300,4 +324,5 @@ __all__ = [
     "check_heads",
     "context_parallel_refusal",
     "key_value_replication",
+    "temperature_at_own_positions",
 ]
