@@ -280,7 +280,7 @@ def layer_variant(module: torch.nn.Module, config) -> str:
     layer_index = getattr(module, "layer_idx", None)
     kind = layer_types[layer_index] if isinstance(layer_index, int) and layer_index < len(layer_types) else None
     if kind == "chunked_attention":
-        parts.append(f"chunked local attention, chunks of {config.attention_chunk_size} tokens, through the mask")
+        parts.append(f"chunked local attention, chunks of {config.attention_chunk_size} tokens")
     if isinstance(window := getattr(module, "sliding_window", None), int):
         parts.append(f"sliding window of {window} tokens")
     if isinstance(getattr(module, "sinks", None), torch.Tensor):
