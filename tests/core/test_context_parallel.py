@@ -44,6 +44,7 @@ VARIANT_CASES = [
     "gemma4_text:padded:off",  # per-layer head counts and sizes
     "qwen3_moe:packed:on",  # a mixture of experts
     "llama4_text:padded:on",  # chunks across the processes' cut; a NoPE layer's queries scaled by their position
+    "llama4_text:plain:on",  # the same, no padding on either side: the chunks stacked in one call, no mask
 ]
 TOLERANCE = 1e-5  # fp32, relative: the split only reorders additions
 
