@@ -7,6 +7,7 @@ import re
 import sys
 import types
 
+import gguf
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
@@ -395,6 +396,8 @@ def test_explain_says_what_the_run_does(script, tiny_checkpoint, tmp_path, atten
 
 
 def test_explain_lists_the_flags_and_loads_no_weights(tiny_checkpoint, monkeypatch):
+    reader_class = gguf.GGUFReader
+
     def no_weights(*args, **kwargs):
         raise AssertionError("--explain loaded weights")
 
@@ -406,8 +409,11 @@ def test_explain_lists_the_flags_and_loads_no_weights(tiny_checkpoint, monkeypat
     assert "--use_kv_cache = True (default)" in text
     assert "--trim_logits: always the case here" in text and "--use_hpu_graphs: HPU graphs exist on Gaudi only" in text
     assert "KV cache: dynamic" in text
+    parses = []
+    monkeypatch.setattr(gguf, "GGUFReader", lambda *args: parses.append(args) or reader_class(*args))
     default_model = explain(parse(["--explain"]))  # the embedded .gguf: its metadata only, no conversion
     assert "GGUF metadata" in default_model and "GaudiLlamaForCausalLM, 30 attention layers" in default_model
+    assert len(parses) == 1  # the config and the tokenizer from one parse (4 s each for SmolLM2)
 
 
 def test_explain_reads_an_earlier_conversion_instead_of_the_gguf_metadata(default_model, monkeypatch):

@@ -27,6 +27,7 @@ from optimum.habana.transformers.batch_layout import local_layers_run_planned, p
 from optimum.habana.transformers.cache import bucketed_length
 from optimum.habana.transformers.families.qualification import attention_modules_of
 from optimum.habana.transformers.models import family_problem, gaudi_model_class
+from optimum.habana.utils.gguf_parsing import parsed_once
 from optimum.habana.utils.model_loading import (
     ModelResolutionError,
     check_gguf_file,
@@ -174,8 +175,9 @@ def read_config_and_tokenizer(model_name_or_path: str | None):
     if gguf.suffix.lower() == ".gguf" and gguf.is_file():
         check_gguf_file(gguf)  # a damaged file or another architecture is refused in the words of a real run
         try:
-            config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
-            tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+            with parsed_once():  # the config and the tokenizer from one parse of the file (4 s each for SmolLM2)
+                config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+                tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         except (ValueError, KeyError, IndexError, OSError, struct.error) as error:
             detail = (str(error).strip().splitlines() or [""])[0]
             raise ModelResolutionError(
