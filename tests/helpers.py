@@ -265,11 +265,13 @@ def train_tiny_tokenizer(chat_template: bool) -> PreTrainedTokenizerFast:
     return fast
 
 
-def save_tiny_checkpoint(folder: Path, chat_template: bool = True, model_type: str = "llama") -> Path:
+def save_tiny_checkpoint(
+    folder: Path, chat_template: bool = True, model_type: str = "llama", max_position_embeddings: int = 128
+) -> Path:
     """A stock checkpoint of `model_type`, as a user would pass it, with a tokenizer beside it."""
     tokenizer = train_tiny_tokenizer(chat_template)
     torch.manual_seed(0)
-    config = tiny_config(model_type, vocab_size=len(tokenizer), max_position_embeddings=128)
+    config = tiny_config(model_type, vocab_size=len(tokenizer), max_position_embeddings=max_position_embeddings)
     AutoModelForCausalLM.from_config(config).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
