@@ -154,6 +154,16 @@ def test_families_that_cannot_be_split_are_refused_by_name(model_type, reason):
         check_context_parallel_model(config, 2, "--context_parallel_size")
 
 
+def test_a_family_whose_config_has_another_model_type_is_split():
+    """Emu3's config carries the model type 'emu3_text_model', not its family's 'emu3': read as no family, it was
+    refused as one that "reads the attention mask outside its attention". Its attention is plain causal attention,
+    Llama's variant (`VARIANT_CASES`)."""
+    config = tiny_family_config("emu3", gaudi_model_class("emu3").config_class)
+    assert config.model_type == "emu3_text_model"
+    assert context_parallel_refusal(config) is None
+    check_context_parallel_model(config, 2, "--context_parallel_size")
+
+
 def test_launches_that_cannot_split_are_refused():
     with pytest.raises(
         ContextParallelError,

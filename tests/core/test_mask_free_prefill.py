@@ -4,9 +4,10 @@ import pytest
 import torch
 import transformers.masking_utils
 
-from optimum.habana import GaudiLlamaForCausalLM, GaudiMistralForCausalLM
+from optimum.habana import GaudiLlamaForCausalLM, GaudiMistralForCausalLM, gaudi_model_class
 from optimum.habana.kernels import dispatch, local_attention, variable_length
 from optimum.habana.transformers import attention
+from tests.families.tiny_configs import tiny_family_config
 from tests.helpers import left_padded_batch, tiny_config, tiny_llama_config
 
 
@@ -85,5 +86,25 @@ def test_sliding_window_models_build_no_prompt_mask_either(monkeypatch):
         flash = model(**inputs, use_flash_attention=True).logits
     assert not any(mask is not None and mask.shape[-2] == 9 for mask in built)
     assert all(mask is None or mask.shape[-2:] == (4, 8) for _, mask, _ in kernel_masks)
+    real = inputs["attention_mask"].bool()
+    torch.testing.assert_close(flash[real], expected[real])
+
+
+def test_a_family_whose_config_has_another_model_type_builds_no_prompt_mask(monkeypatch):
+    """Emu3's config carries the model type 'emu3_text_model', not its family's 'emu3': its padded prompt runs as
+    Llama's does, causally over the real tokens with no mask built (it built a [B, 1, q, kv] mask when that model type
+    read as no family)."""
+    model_class = gaudi_model_class("emu3")
+    torch.manual_seed(0)
+    model = model_class(tiny_family_config("emu3", model_class.config_class)).eval()
+    assert model.config.model_type == "emu3_text_model"
+    inputs = left_padded_batch([12, 7, 3])
+    with torch.no_grad():
+        expected = model(**inputs).logits
+        built, kernel_masks = spy_masks_and_kernel(monkeypatch)
+        flash = model(**inputs, use_flash_attention=True).logits
+    assert all(mask is None for mask in built)
+    assert len(kernel_masks) == model.config.num_hidden_layers
+    assert all(mask is None and is_causal for _, mask, is_causal in kernel_masks)
     real = inputs["attention_mask"].bool()
     torch.testing.assert_close(flash[real], expected[real])

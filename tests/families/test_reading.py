@@ -2,14 +2,23 @@
 classes written here: what reaches the attention call decides, not every call of the same attribute, and a dict of
 mask arguments counts as handed on only where a mask builder or the attention receives it."""
 
+import dataclasses
+
 import pytest
+import transformers
 from torch import nn
 
+from optimum.habana import gaudi_model_class
 from optimum.habana.transformers.continuous_batching import check_engine_serves
 from optimum.habana.transformers.families.branches import forwards_kwargs_to
 from optimum.habana.transformers.families.cache_facts import computes_with_cached_states, writes_cache_at_own_index
-from optimum.habana.transformers.families.qualification import family_report
+from optimum.habana.transformers.families.qualification import (
+    causal_lm_model_types,
+    family_report,
+    family_runs_mask_free,
+)
 from optimum.habana.transformers.families.source_facts import MASK_BUILDERS, decoder_path, mask_uses
+from optimum.habana.transformers.models import family_problem
 
 
 def create_causal_mask(**kwargs):
@@ -206,3 +215,43 @@ def test_families_refused_by_the_old_reading_qualify(model_type):
     on an attention call's result (and an MLP branch's call) as calls of the attention."""
     report = family_report(model_type)
     assert report.qualifies, report.reason
+
+
+def test_emu3s_config_model_type_reads_as_emu3():
+    """Emu3's causal LM is built from an `Emu3TextConfig`, whose model type 'emu3_text_model' is no key of
+    transformers' causal-LM mapping: a model's `config.model_type` and a saved checkpoint's carry it, and every run-time
+    question is asked with it. Read as no causal LM, it planned no padded prompt mask-free, refused context parallelism
+    ("reads the attention mask outside its attention") and had no Gaudi class for a stock checkpoint."""
+    assert gaudi_model_class("emu3").config_class.model_type == "emu3_text_model"
+    assert family_report("emu3_text_model") == family_report("emu3")
+    assert family_runs_mask_free("emu3_text_model")
+    assert family_problem("emu3_text_model") is None
+    assert gaudi_model_class("emu3_text_model") is gaudi_model_class("emu3")
+
+
+@pytest.mark.parametrize("model_type", ["clip", "no_such_model"])
+def test_a_model_type_of_no_causal_lm_still_reads_as_none(model_type):
+    assert family_report(model_type).reason == "transformers maps no causal LM to this model type"
+
+
+def without_model_type(report) -> dict:
+    return {name: value for name, value in dataclasses.asdict(report).items() if name != "model_type"}
+
+
+@pytest.mark.families
+def test_every_familys_config_model_type_reads_as_its_family():
+    """Every causal-LM family of the installed transformers whose causal LM's config class has another model type
+    (transformers 5.23: dots3_note, emu3, gpt-sw3, internlm3, iquestcoder, llama4, mllama, musicgen, musicgen_melody,
+    qwen3_5, qwen3_5_moe, qwen4_exp): that model type, the one its models' configs carry, gets the family's report."""
+    differing = {}
+    for model_type in causal_lm_model_types():
+        report = family_report(model_type)
+        try:
+            config_type = getattr(transformers, report.class_name).config_class.model_type
+        except (ImportError, AttributeError):
+            continue  # its code cannot be imported here: the report says so
+        if config_type != model_type:
+            differing[model_type] = config_type
+            assert without_model_type(family_report(config_type)) == without_model_type(report), model_type
+            assert family_runs_mask_free(config_type) == report.mask_free, model_type
+    assert differing["emu3"] == "emu3_text_model" and differing["llama4"] == "llama4_text"

@@ -29,6 +29,7 @@ from typing import Any
 
 import transformers
 from transformers import CONFIG_MAPPING
+from transformers.models.auto.configuration_auto import model_type_to_module_name
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_FOR_MASKED_LM_MAPPING_NAMES
 
 from .branches import forwards_kwargs_to
@@ -136,9 +137,15 @@ def causal_lm_model_types() -> tuple[str, ...]:
 
 @functools.cache
 def family_report(model_type: str) -> FamilyReport:
-    """Decide whether `model_type` qualifies; see the module docstring. Imports the family's modeling code only."""
+    """Decide whether `model_type` qualifies; see the module docstring. Imports the family's modeling code only.
+
+    A model's `config.model_type` is its causal LM's config class's, which is not always a family's: a model type
+    that only a family's config carries gets that family's report (`causal_lm_family`)."""
     class_name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
     if class_name is None:
+        family = causal_lm_family(model_type)
+        if family is not None:
+            return family_report(family)
         return FamilyReport(model_type, "", False, "transformers maps no causal LM to this model type")
     try:
         stock = getattr(importlib.import_module("transformers"), class_name)
@@ -146,6 +153,33 @@ def family_report(model_type: str) -> FamilyReport:
         first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         return FamilyReport(model_type, class_name, False, f"its code cannot be imported here ({first_line})")
     return _judge(model_type, stock)
+
+
+@functools.cache
+def causal_lm_family(model_type: str) -> str | None:
+    """The causal-LM model type (the family) whose models carry configs of `model_type`, or None.
+
+    Itself where transformers maps a causal LM to it. Else the family whose causal LM is built from the config class
+    of `model_type`, as its Gaudi class is (`config_class`): `Emu3ForCausalLM`, the causal LM of "emu3", takes an
+    `Emu3TextConfig`, whose model type "emu3_text_model" its models and checkpoints carry. Only the families whose
+    causal LM transformers loads from the config class's package are imported."""
+    if model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        return model_type
+    try:
+        config_class = CONFIG_MAPPING[model_type]
+    except (KeyError, ImportError, AttributeError):  # no config of transformers', or its code cannot be imported here
+        return None
+    package = config_class.__module__.rsplit(".", 2)[-2]  # transformers.models.emu3.configuration_emu3 -> emu3
+    for family in causal_lm_model_types():
+        if model_type_to_module_name(family).rsplit(".", 1)[-1] != package:
+            continue
+        try:
+            stock = getattr(importlib.import_module("transformers"), MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[family])
+        except (ImportError, AttributeError):
+            continue
+        if getattr(stock, "config_class", None) is config_class:
+            return family
+    return None
 
 
 def _judge(model_type: str, stock: type) -> FamilyReport:
@@ -415,6 +449,7 @@ __all__ = [
     "FUSED_PATHS",
     "FamilyReport",
     "attention_modules_of",
+    "causal_lm_family",
     "causal_lm_model_types",
     "default_config",
     "family_report",
