@@ -145,7 +145,12 @@ def run(
         notes += loading_options.loading_notes(model_args, data_args, resolved)
         model_config = config or AutoConfig.from_pretrained(resolved.path)
         peft_methods.check_model_supports(args.peft, model_config)
-        check_context_parallel_model(model_config, args.gaudi.context_parallel_size, "--context_parallel_size")
+        check_context_parallel_model(
+            model_config,
+            args.gaudi.context_parallel_size,
+            "--context_parallel_size",
+            packed_by="--padding_free" if data_args.padding_free else None,
+        )
         if data_args.train_file is None and data_args.dataset_name is None:
             data_args.train_file = str(DEFAULT_TRAIN_FILE)
         train_file = data_args.train_file
@@ -351,7 +356,12 @@ def explain_run(parser: HfArgumentParser, args: Arguments) -> dict[str, Any]:
         data.check_max_seq_length(args.data.max_seq_length, resolved)
         config = loading_options.load_config_override(args.model.config_name, args.model.token)
         config = config or AutoConfig.from_pretrained(resolved.path)
-        check_context_parallel_model(config, args.gaudi.context_parallel_size, "--context_parallel_size")
+        check_context_parallel_model(
+            config,
+            args.gaudi.context_parallel_size,
+            "--context_parallel_size",
+            packed_by="--padding_free" if args.data.padding_free else None,
+        )
         text = explain_training(
             config,
             context_parallel_size=args.gaudi.context_parallel_size,

@@ -18,6 +18,7 @@ from optimum.habana.transformers.context_parallel import (
     SequenceSplit,
     context_parallel_refusal,
     key_value_replication,
+    packed_batch_refusal,
     temperature_at_own_positions,
 )
 from optimum.habana.transformers.context_parallel.trainer import (
@@ -162,6 +163,31 @@ def test_a_family_whose_config_has_another_model_type_is_split():
     assert config.model_type == "emu3_text_model"
     assert context_parallel_refusal(config) is None
     check_context_parallel_model(config, 2, "--context_parallel_size")
+
+
+def test_packed_batches_are_refused_before_the_weights_for_the_reason_the_first_step_gives(monkeypatch):
+    """Llama 4's chunked layers take no packed examples: its first packed step is refused; the check made before the
+    weights load (with the option that packs the batches) gives the same reason."""
+    config = tiny_family_config("llama4_text", gaudi_model_class("llama4_text").config_class)
+    reason = packed_batch_refusal(config)
+    assert reason == (
+        "a padding-free packed batch of the model type 'llama4_text': its chunked layers do not take packed examples"
+    )
+    monkeypatch.setattr(SequenceSplit, "gather_positions", lambda self, tensor: tensor)  # one process's whole batch
+    packed = {
+        "input_ids": torch.ones(1, 8, dtype=torch.long),
+        "position_ids": torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4]]),
+    }
+    with pytest.raises(ContextParallelError) as step:
+        SequenceSplit(None, 1, 0).plan(config, packed)
+    assert str(step.value) == f"{reason}. Pad the batch instead."
+    with pytest.raises(ContextParallelError) as check:
+        check_context_parallel_model(config, 2, "--context_parallel_size", packed_by="--padding_free")
+    assert str(check.value).startswith(f"--padding_free with --context_parallel_size 2: {reason}. Drop --padding_free")
+    check_context_parallel_model(config, 2, "--context_parallel_size")  # padded batches split
+    llama = tiny_family_config("llama", gaudi_model_class("llama").config_class)
+    assert packed_batch_refusal(llama) is None
+    check_context_parallel_model(llama, 2, "--context_parallel_size", packed_by="--padding_free")
 
 
 def test_launches_that_cannot_split_are_refused():

@@ -1,5 +1,6 @@
 """run_lora_clm.py --context_parallel_size: two processes under torchrun train as one process does."""
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -8,7 +9,9 @@ import sys
 
 import pytest
 from safetensors.torch import load_file
+from transformers import TrainingArguments
 
+from tests.families.support import save_family_checkpoint
 from tests.finetuning.support import SCRIPT, run_script, script_args
 from tests.helpers import free_port
 
@@ -62,3 +65,43 @@ def test_two_processes_splitting_each_sequence_train_as_one_process(script, chec
     assert adapter.keys() == split_adapter.keys()
     for name, weight in adapter.items():  # three optimizer steps on the same gradients
         assert (split_adapter[name] - weight).abs().max() <= 1e-5 * weight.abs().max(), name
+
+
+class LoadedTheModel(Exception):
+    """Raised where the script would load the weights: the run got past every check made before."""
+
+
+@pytest.mark.parametrize(
+    ("model_type", "packed", "refused"),
+    [("llama4_text", True, True), ("llama4_text", False, False), ("llama", True, False)],
+)
+def test_packed_batches_a_family_cannot_split_are_refused_before_the_weights_load(
+    script, tokenizer, tmp_path, monkeypatch, capsys, model_type, packed, refused
+):
+    """Llama 4's chunked layers take no packed examples (`can_run_packed`): with --padding_free its split step
+    refuses the first batch, after the weights load; the config, read before them, says so. Here one process of a
+    two-process launch (no process group: nothing between the checks and the weights needs one)."""
+    checkpoint = save_family_checkpoint(tmp_path / model_type, model_type, tokenizer)
+    monkeypatch.setattr(TrainingArguments, "world_size", property(lambda self: 2))
+    monkeypatch.setattr(TrainingArguments, "main_process_first", lambda self, **kwargs: contextlib.nullcontext())
+
+    def loaded(*args, **kwargs):
+        raise LoadedTheModel
+
+    monkeypatch.setattr(script, "load_model_and_tokenizer", loaded)
+    extra = ["--use_cpu", "--do_train", "--max_steps", "1", "--context_parallel_size", "2"]
+    argv = script_args(checkpoint, tmp_path / "out", *extra, *(["--padding_free"] if packed else []))
+    if not refused:
+        with pytest.raises(LoadedTheModel):
+            script.main(argv)
+        return
+    with pytest.raises(SystemExit) as stopped:
+        script.main(argv)
+    assert stopped.value.code == 2
+    stderr = capsys.readouterr().err
+    assert "Traceback" not in stderr
+    assert stderr.strip().splitlines()[-1] == (
+        "run_lora_clm.py: error: --padding_free with --context_parallel_size 2: a padding-free packed batch of the "
+        "model type 'llama4_text': its chunked layers do not take packed examples. Drop --padding_free: each batch is "
+        "then padded, which its split runs exactly."
+    )

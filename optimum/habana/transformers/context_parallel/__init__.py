@@ -90,6 +90,19 @@ def context_parallel_refusal(config: PreTrainedConfig) -> str | None:
     return None
 
 
+def packed_batch_refusal(config: PreTrainedConfig) -> str | None:
+    """Why a padding-free packed batch of the family of `config` cannot be split, or None when it can: the plan
+    takes packed examples only for layers that run them (`can_run_packed`). One reason for the first step and for
+    the checks made before the weights load (`check_context_parallel_model`)."""
+    if can_run_packed(config):
+        return None
+    chunked = getattr(config, "attention_chunk_size", None) or "chunked_attention" in (
+        getattr(config, "layer_types", None) or ()
+    )
+    layers = "its chunked layers do" if chunked else "its layers do"
+    return f"a padding-free packed batch of the model type {config.model_type!r}: {layers} not take packed examples"
+
+
 def key_value_replication(heads: int, key_value_heads: int, size: int) -> int:
     """How many times each key/value head is repeated so that the heads split evenly over `size` processes.
 
@@ -205,11 +218,8 @@ class SequenceSplit:
         if attention_mask is None:
             segments = packed_segments(positions, None, positions)
             if segments is not None:
-                if not can_run_packed(config):
-                    raise ContextParallelError(
-                        f"a padding-free packed batch of the model type {config.model_type!r}: its chunked layers do "
-                        "not take packed examples. Pad the batch instead."
-                    )
+                if (reason := packed_batch_refusal(config)) is not None:
+                    raise ContextParallelError(f"{reason}. Pad the batch instead.")
                 rows, length = positions.shape
                 placeholder = torch.ones(rows, 1, 1, length, dtype=torch.bool, device=positions.device)
                 return {"segments": segments, "attention_mask": placeholder}
@@ -324,5 +334,6 @@ __all__ = [
     "check_heads",
     "context_parallel_refusal",
     "key_value_replication",
+    "packed_batch_refusal",
     "temperature_at_own_positions",
 ]

@@ -23,17 +23,26 @@ from transformers.trainer_utils import unwrap_peft_model
 
 from ... import hpu
 from ...utils.distributed import gather_from_ranks
-from . import ContextParallelError, SequenceSplit, check_heads, context_parallel_refusal
+from . import ContextParallelError, SequenceSplit, check_heads, context_parallel_refusal, packed_batch_refusal
 
 
-def check_context_parallel_model(config: PreTrainedConfig, size: int, name: str = "context_parallel_size") -> None:
+def check_context_parallel_model(
+    config: PreTrainedConfig, size: int, name: str = "context_parallel_size", packed_by: str | None = None
+) -> None:
     """Refuse a family or head count that cannot be split over `size` processes (ContextParallelError); `name` is
-    the argument's, as the caller's user wrote it."""
+    the argument's, as the caller's user wrote it. `packed_by`: the option that packs the batches padding-free,
+    where one is given: a family whose layers take no packed examples is refused by its name, before the weights
+    load, for the reason its first step would give."""
     if size == 1:
         return
     reason = context_parallel_refusal(config)
     if reason is not None:
         raise ContextParallelError(f"{name} {size}: {reason}.")
+    if packed_by is not None and (reason := packed_batch_refusal(config)) is not None:
+        raise ContextParallelError(
+            f"{packed_by} with {name} {size}: {reason}. Drop {packed_by}: each batch is then padded, which its split "
+            "runs exactly."
+        )
     try:
         check_heads(config, size)
     except ContextParallelError as error:
