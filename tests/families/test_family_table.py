@@ -37,6 +37,14 @@ def test_one_row_and_an_unknown_model_type(capsys):
     assert "--model_type 'nope' is no causal-LM model type of transformers" in capsys.readouterr().err
 
 
+def test_a_configs_model_type_gives_its_familys_row(capsys):
+    """Emu3's configs (and checkpoints) carry "emu3_text_model", which is no family's key."""
+    assert families.main(["--model_type", "emu3_text_model"]) == 0
+    printed = capsys.readouterr()
+    assert printed.out.strip().splitlines()[-1].startswith("| emu3 | `GaudiEmu3ForCausalLM` |")
+    assert "'emu3_text_model' is the model type of the 'emu3' family's configs." in printed.err
+
+
 DAMAGES = {
     "null": "null",
     "a list": "[]",

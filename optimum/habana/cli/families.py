@@ -11,7 +11,7 @@ import transformers
 from transformers import HfArgumentParser
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-from optimum.habana.transformers.families.qualification import FUSED_PATHS, FamilyReport
+from optimum.habana.transformers.families.qualification import FUSED_PATHS, FamilyReport, causal_lm_family
 from optimum.habana.transformers.models import family_table, gaudi_model_class, supported_model_types
 
 
@@ -89,7 +89,10 @@ def main(argv: list[str] | None = None) -> int:
     (arguments,) = parser.parse_args_into_dataclasses(args=argv)
     reports = ordered_reports(arguments.qualifying)
     if arguments.model_type is not None:
-        reports = [report for report in reports if report.model_type == arguments.model_type]
+        family = causal_lm_family(arguments.model_type)  # a config's model type reads as its family's
+        if family is not None and family != arguments.model_type:
+            print(f"{arguments.model_type!r} is the model type of the {family!r} family's configs.", file=sys.stderr)
+        reports = [report for report in reports if report.model_type == family]
         if not reports:
             parser.error(
                 f"--model_type {arguments.model_type!r} is no causal-LM model type of transformers; "
