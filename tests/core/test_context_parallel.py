@@ -280,6 +280,24 @@ def test_deepspeeds_own_ulysses_wrapper_is_refused_before_it_trains_on_wrong_res
     assert model(input_ids=torch.ones(1, 4, dtype=torch.long)).logits.shape == (1, 4, 256)
 
 
+def test_the_trainer_refuses_a_flattening_collator_for_a_family_without_packed_examples(tmp_path, monkeypatch):
+    """Llama 4's chunked layers take no packed examples: refused when the Trainer is built, not at its first step."""
+    from transformers import DataCollatorWithFlattening, TrainingArguments
+
+    monkeypatch.setattr(TrainingArguments, "world_size", property(lambda self: 2))  # one of two processes
+    arguments = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[])
+    llama4 = gaudi_model_class("llama4_text")
+    model = llama4(tiny_family_config("llama4_text", llama4.config_class))
+    with pytest.raises(
+        ContextParallelError,
+        match="DataCollatorWithFlattening with context_parallel_size 2: a "
+        "padding-free packed batch of the model type 'llama4_text': its chunked layers do not",
+    ):
+        ContextParallelTrainer(
+            model=model, args=arguments, data_collator=DataCollatorWithFlattening(), context_parallel_size=2
+        )
+
+
 def test_the_trainer_takes_the_size_from_accelerates_parallelism_config(tmp_path):
     from accelerate import ParallelismConfig
     from transformers import TrainingArguments

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from transformers import PreTrainedConfig, Trainer
+from transformers import DataCollatorWithFlattening, PreTrainedConfig, Trainer
 from transformers.trainer_utils import unwrap_peft_model
 
 from ... import hpu
@@ -169,7 +169,9 @@ class ContextParallelTrainer(Trainer):
         if context_parallel_size == 1:
             return
         check_world_size(context_parallel_size, self.args.world_size)
-        check_context_parallel_model(self.model.config, context_parallel_size)
+        flattening = isinstance(self.data_collator, DataCollatorWithFlattening)  # padding-free packed batches
+        packed_by = type(self.data_collator).__name__ if flattening else None
+        check_context_parallel_model(self.model.config, context_parallel_size, packed_by=packed_by)
         if not self.args.average_tokens_across_devices:
             raise ContextParallelError(
                 "context parallel training normalises the loss by the labelled tokens of all processes: leave "
