@@ -262,6 +262,9 @@ def test_every_familys_config_model_type_reads_as_its_family():
     assert differing["emu3"] == "emu3_text_model" and differing["llama4"] == "llama4_text"
 
 
+OTHER_FAMILIES = ("mistral", "qwen2", "gemma", "phi3", "olmo2", "starcoder2", "qwen3", "granite")
+
+
 def test_the_syntax_of_files_and_classes_read_long_ago_is_released():
     """Every full garbage collection walks every object alive: the syntax trees of all families judged (about a
     million objects with the family table) made each of transformers' engine's collections take 0.4 s."""
@@ -278,6 +281,3 @@ def test_the_syntax_of_files_and_classes_read_long_ago_is_released():
         source_facts.class_node(cls)
     gc.collect()
     assert tree() is None and node() is None
-
-
-OTHER_FAMILIES = ("mistral", "qwen2", "gemma", "phi3", "olmo2", "starcoder2", "qwen3", "granite")
