@@ -178,6 +178,8 @@ def count_attention_paths(monkeypatch: pytest.MonkeyPatch, profile: bool = True)
     spy_on_fused_kernel(monkeypatch, lambda function: counted("fused", function))
     monkeypatch.setattr(variable_length, "flex_sdpa", counted("fused", variable_length.flex_sdpa))
     monkeypatch.setattr(attention, "matmul_softmax_attention", counted("default", attention.matmul_softmax_attention))
+    # Latent attention's steps over its compressed cache (`kernels/latent.py`)
+    monkeypatch.setattr(attention, "absorbed_latent_sdpa", counted("fused", attention.absorbed_latent_sdpa))
     paged = paged_attention.paged_decode_sdpa  # a continuous-batching step's decode rows, over its paged cache
     monkeypatch.setattr(paged_attention, "paged_decode_sdpa", counted("fused", paged))
     if not profile:

@@ -15,10 +15,11 @@ from transformers.generation.continuous_batching.cache_allocators import FULL_AT
 
 from optimum.habana import gaudi_model_class, supported_model_types
 from optimum.habana.kernels import cpu_decode, dispatch, split_context
-from optimum.habana.transformers import paged_attention
+from optimum.habana.transformers import attention, paged_attention
 from optimum.habana.transformers.batch_layout import can_run_packed, local_layers_run_planned
 from optimum.habana.transformers.continuous_batching import check_engine_serves
 from optimum.habana.transformers.families.qualification import SOFTCAP
+from optimum.habana.transformers.latent_attention import receives_compressed_latent
 from optimum.habana.transformers.models import family_table
 from tests.families.support import LENGTHS, NEW_TOKENS, assert_same_steps, family_pair, greedy
 from tests.families.tiny_configs import without_dropout
@@ -120,13 +121,24 @@ def test_decode_steps_on_the_cpu_decode_kernel_give_stock_tokens(model_type, mon
         return path
 
     monkeypatch.setattr(dispatch, "kernel_path", recorded)
+    absorbed_rows = []  # latent attention's steps over its compressed cache: their query rows
+    absorb = attention.absorbed_latent_sdpa
+
+    def recorded_absorbed(query, *args, **kwargs):
+        absorbed_rows.append(query.shape[2])
+        return absorb(query, *args, **kwargs)
+
+    monkeypatch.setattr(attention, "absorbed_latent_sdpa", recorded_absorbed)
     ours, stock = family_pair(model_type)
     inputs = left_padded_batch(LENGTHS)
     reference = greedy(stock, inputs)
     assert_same_steps(greedy(ours, inputs, use_flash_attention=True), reference)
-    # sinks and latent attention's values of another size run on the kernel as they are, with no copy as long as the
-    # context (no sink key, no padded values); soft-capped logits take the default path
-    assert calls or "soft-capped logits" in family_table()[model_type].variants
+    variants = family_table()[model_type].variants
+    if any(map(receives_compressed_latent, ours.modules())):  # its steps read the compressed cache (kernels/latent.py)
+        assert absorbed_rows.count(1) >= NEW_TOKENS - 1
+    # sinks run on the kernel as they are, with no copy as long as the context (no sink key); soft-capped logits
+    # take the default path
+    assert calls or "soft-capped logits" in variants or absorbed_rows
     assert all(path.kernel == "cpu_decode" and not path.sink_key and not path.equal_widths for path in decode_paths)
 
 

@@ -106,6 +106,7 @@ def test_explain_names_each_layers_variant_and_the_kernel_path_of_each_call(mode
     with its transforms, appears in the phase's lines."""
     from optimum.habana.cli.generation.explain import explain
     from optimum.habana.kernels import dispatch
+    from optimum.habana.transformers import attention
     from tests.generation.support import parse
 
     checkpoint = save_family_checkpoint(tmp_path, model_type, train_tiny_tokenizer(chat_template=True))
@@ -121,10 +122,20 @@ def test_explain_names_each_layers_variant_and_the_kernel_path_of_each_call(mode
 
     kernel_path = dispatch.kernel_path
     monkeypatch.setattr(dispatch, "kernel_path", recorded)
+    absorbed = []  # latent attention's calls over its compressed cache: their query rows
+    absorb = attention.absorbed_latent_sdpa
+    monkeypatch.setattr(
+        attention,
+        "absorbed_latent_sdpa",
+        lambda query, *a, **k: absorbed.append(query.shape[2]) or absorb(query, *a, **k),
+    )
     run_in_process(
         load_script("examples/text-generation/run_generation.py"), [*argv, "--n_iterations", "1"], tmp_path / "run"
     )
     prefill, decode = text.split("Graphs:")[0].split("  decode")
-    assert decided
+    assert decided or absorbed
     for q_len, path in decided:
         assert f"fused kernel, {path.describe(torch.device('cpu'))}:" in (decode if q_len == 1 else prefill), path
+    for q_len in absorbed:
+        assert "over the compressed cache (kv_b_proj absorbed" in (decode if q_len == 1 else prefill)
+    assert bool(absorbed) == (model_type == "deepseek_v3")

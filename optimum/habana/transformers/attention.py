@@ -21,6 +21,7 @@ from transformers.generation.continuous_batching.cache import PagedAttentionCach
 from transformers.utils.generic import TransformersKwargs
 
 from ..kernels.dispatch import FusedSDPAUnavailable, fused_sdpa, warn_once
+from ..kernels.latent import absorbed_latent_sdpa
 from ..kernels.sinks import sink_weight_column
 from ..kernels.variable_length import (
     PaddedPrompt,
@@ -31,6 +32,7 @@ from ..kernels.variable_length import (
 )
 from .attention_flags import DEFAULT_PATH_FLAGS, AttentionFlags, attention_flags_of, call_attention_flags
 from .batch_layout import paged_segments
+from .latent_attention import absorbable_up_projection, expanded, receives_compressed_latent
 from .paged_attention import check_cache_geometry, paged_step_in_place
 from .planned_masks import is_real_keys_only, planned_mask, prompt_mask, scored_mask
 
@@ -60,6 +62,29 @@ def gaudi_attention_forward(
     key: torch.Tensor,
     value: torch.Tensor,
     attention_mask: torch.Tensor | None,
+    **kwargs,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The attention transformers' interface calls: query `[B, H, q, D]`, key/value `[B, Hkv, kv, D]`; returns
+    `([B, q, H, D], weights)` (`attention_forward`).
+
+    Latent attention's layers in a Gaudi model hand over their compressed cache instead of keys and values
+    (`latent_attention.py`): a step that absorbs the up-projection attends over it as it lies; any other call gets
+    the family's own expansion first.
+    """
+    if receives_compressed_latent(module):
+        output = absorbed_latent_attention(module, query, key, value, attention_mask, kwargs)
+        if output is not None:
+            return output, None
+        key, value = expanded(module, key, value)
+    return attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+def attention_forward(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
     scaling: float | None = None,
     dropout: float = 0.0,
     sliding_window: int | None = None,
@@ -84,7 +109,7 @@ def gaudi_attention_forward(
     split = kwargs.pop("context_parallel", None)
     if split is not None:
         return split.attend(
-            gaudi_attention_forward, module, query, key, value, attention_mask,
+            attention_forward, module, query, key, value, attention_mask,
             scaling=scaling, dropout=dropout, sliding_window=sliding_window, softcap=softcap, is_causal=is_causal,
             output_attentions=output_attentions, padded_prompt=padded_prompt, segments=segments,
             segment_bounds=segment_bounds, **kwargs,
@@ -191,6 +216,53 @@ def gaudi_attention_forward(
         is_causal=is_causal is not False,
         sinks=sinks,
     )
+
+
+# Arguments a call may carry that an absorbed latent step has no use for: it takes the general path where any has a
+# value (a plan, the engine's cache, a split over processes, a bias, a cap, weights asked for, a window).
+GENERAL_PATH_KWARGS = frozenset(
+    {
+        "context_parallel", "cache", "padded_prompt", "segments", "segment_bounds", "position_bias", "softcap",
+        "output_attentions", "sliding_window",
+    }
+)  # fmt: skip
+
+
+def absorbed_latent_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    latent: torch.Tensor,
+    rotary_key: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    kwargs: dict[str, Any],
+) -> torch.Tensor | None:
+    """With the flag, an inference call of latent attention with a few query rows (decode steps), over its compressed
+    cache (`kernels/latent.py`): nothing as long as the context is expanded or copied. None where the call takes the
+    general path: without the flag (the default path is stock's expansion), in training (the fused kernels' backward
+    and recompute), with anything in `GENERAL_PATH_KWARGS`, or where absorbing is not exact or cheaper
+    (`absorbable_up_projection`). Returns `[B, q, H, v]`."""
+    call = dict(kwargs)
+    flags = call_attention_flags(call, model_flag_defaults(module))
+    scaling = call.pop("scaling", None)
+    call.pop("dropout", None)  # inference only: no dropout
+    is_causal, selected_keys = call.pop("is_causal", None), call.pop("indices", None)
+    sinks = call.pop("s_aux", None)  # gpt-oss's name; other families say `sinks`
+    sinks = call.pop("sinks", None) if sinks is None else sinks
+    if module.training or not flags.use_flash_attention or set(call) - IGNORED_ATTENTION_KWARGS - GENERAL_PATH_KWARGS:
+        return None  # an unknown argument: the general path names it
+    if any(call.get(name) is not None and call.get(name) is not False for name in GENERAL_PATH_KWARGS):
+        return None
+    up_projection = absorbable_up_projection(module, query, latent)
+    if up_projection is None or local_extent(module, None, query.shape[2]) != (None, None):
+        return None
+    warn_about_default_path_flags(flags)
+    mask = scored_mask(attention_mask, query, latent, is_causal, None, selected_keys)
+    output = absorbed_latent_sdpa(
+        query, latent, rotary_key, up_projection, mask,
+        scale=query.shape[-1] ** -0.5 if scaling is None else scaling,
+        sinks=sinks,
+    )  # fmt: skip
+    return output.transpose(1, 2).contiguous()
 
 
 def warn_about_default_path_flags(flags: AttentionFlags) -> None:

@@ -44,6 +44,7 @@ from .decoder_inputs import prepare_decoder_call
 from .families.qualification import family_runs_mask_free
 from .families.source_facts import decoder_path
 from .generation import GaudiGenerationConfig, GaudiGenerationMixin
+from .latent_attention import keep_latent_compressed
 
 
 # The `attn_implementation` values a Gaudi model accepts, and the default `use_flash_attention` each one sets
@@ -89,6 +90,7 @@ class GaudiAttentionMixin(GaudiGenerationMixin):
         for module in self.modules():
             if not isinstance(module, PreTrainedModel) and getattr(module, "config", None) is self.config:
                 module.config = view
+        keep_latent_compressed(self)  # latent attention expands its cache in the attention (latent_attention.py)
         # The decoder the causal LM's forward calls, which is not always its base model (OPT calls the base model's
         # own decoder): the hook must run where the keyword arguments enter the layers' path.
         path = decoder_path(_stock_class(type(self)))

@@ -22,10 +22,12 @@ from transformers import AutoConfig, AutoTokenizer
 from optimum.habana.cli.adapters import check_adapter_folder, check_adapter_matches
 from optimum.habana.kernels.cpu_decode import decode_kernel_expected
 from optimum.habana.kernels.dispatch import kernel_name, kernel_path
+from optimum.habana.kernels.latent import absorbs
 from optimum.habana.transformers.attention_flags import AttentionFlags
 from optimum.habana.transformers.batch_layout import local_layers_run_planned, padding_mask_is_all_it_needs
 from optimum.habana.transformers.cache import bucketed_length
 from optimum.habana.transformers.families.qualification import attention_modules_of
+from optimum.habana.transformers.latent_attention import receives_compressed_latent
 from optimum.habana.transformers.models import family_problem, gaudi_model_class
 from optimum.habana.utils.gguf_parsing import parsed_once
 from optimum.habana.utils.model_loading import (
@@ -55,6 +57,7 @@ class LayerGroup:
     variant: str = ""  # what the layer's attention does besides plain attention: sinks, latent heads, chunks, ...
     chunk: int | None = None  # a chunked layer's chunk size
     geometry: tuple[int, int, int, int, bool] = (1, 1, 1, 1, False)  # heads, kv heads, q/k and v head sizes, sinks
+    latent: tuple[int, int] | None = None  # a compressed cache's latent and rotary key sizes (latent_attention.py)
 
     @property
     def label(self) -> str:
@@ -217,6 +220,7 @@ def attention_layer_groups(model: torch.nn.Module) -> list[LayerGroup]:
             layer_variant(module, model.config),
             layer_chunk(module, model.config),
             layer_geometry(module, model.config),
+            (module.kv_lora_rank, module.qk_rope_head_dim) if receives_compressed_latent(module) else None,
         )
         by_settings.setdefault(settings, []).append(index)
     return [LayerGroup(tuple(indices), *settings) for settings, indices in by_settings.items()]
@@ -349,6 +353,12 @@ def mask_is_skipped(group: LayerGroup, phase: Phase) -> bool:
     return phase.q_len == 1 or phase.kv_lengths == (phase.q_len, phase.q_len)
 
 
+def absorbed_phase(group: LayerGroup, q_len: int) -> bool:
+    """Whether a latent attention layer's call of `q_len` query rows absorbs its up-projection (`kernels.latent`)."""
+    (latent_size, rope), (_, _, head_dim, value_dim, _) = group.latent, group.geometry
+    return absorbs(q_len, latent_size, rope, head_dim - rope, value_dim)
+
+
 def call_account(
     flags: AttentionFlags,
     group: LayerGroup,
@@ -395,6 +405,11 @@ def call_account(
     window_kept = planned and window is not None and not runs_local
     if window_kept:
         planned = False
+    if group.latent is not None and not planned and window is None and absorbed_phase(group, phase.q_len):
+        return (
+            f"over the compressed cache (kv_b_proj absorbed into the query and the output; kernels/latent.py): "
+            f"attn_mask={mask}, is_causal={mask_skipped and is_prefill}, scale={group.scaling:g}"
+        )
     masked = False  # whether the kernel reads a mask: the last case below, where the phase keeps one
     if runs_local and window:
         arguments = (

@@ -1,0 +1,88 @@
+"""Latent attention's decode step over the compressed cache itself (weight absorption), on every device.
+
+DeepSeek V2/V3 and the families made from them (Kimi, GLM-4 MoE Lite, LongCat, ...) cache, per token and layer,
+one latent `c` (`kv_lora_rank` numbers) and one rotary key part `r` shared by all heads. Their own code expands
+the whole cache into every head's keys and values before each attention call (`kv_b_proj` over the context:
+`k_h = W_k,h c`, `v_h = W_v,h c`), which costs far more than the attention does. Since both are linear in `c`:
+
+    q_h · k_h(t) = (W_k,hᵀ q_nope,h) · c(t) + q_rot,h · r(t)
+    Σ_t p_h(t) v_h(t) = W_v,h Σ_t p_h(t) c(t)
+
+so a step absorbs `W_k` into its query and `W_v` into its output and attends over the latents as they lie in the
+cache: one key/value head shared by every query head, whose rows are stacked into one matrix product per
+sequence. Scores and weights are the expanded attention's; only the order of the sums differs. Each query row
+costs `2 * kv_lora_rank + rope` products per key (against `qk + v` after expansion), which is why it pays for a
+few rows (decode steps), not for a prompt.
+"""
+
+import torch
+from torch.nn import functional as F
+
+from .sinks import sink_logits
+
+
+def absorbed_latent_sdpa(
+    query: torch.Tensor,
+    latent: torch.Tensor,
+    rotary_key: torch.Tensor,
+    up_projection: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    *,
+    scale: float,
+    dropout_p: float = 0.0,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention of query `[B, H, q, nope + rope]` over the compressed cache: latent `[B, 1, kv, L]`, rotary key
+    `[B, 1, kv, rope]`; `up_projection` is `kv_b_proj.weight`, `[H * (nope + v), L]`. Returns `[B, H, q, v]`.
+
+    `attn_mask`: boolean (True = attend) or additive, broadcastable to `[B, H, q, kv]`. A query that may attend to
+    no key gets a zero output, as everywhere in this library. `sinks` (one logit per head, `[H]`, or per head and
+    row) join each row's softmax, without a column added to the scores."""
+    batch, heads, q_len, _ = query.shape
+    kv_len, latent_size, rope = latent.shape[2], latent.shape[3], rotary_key.shape[3]
+    nope = query.shape[3] - rope
+    per_head = up_projection.view(heads, -1, latent_size)  # [H, nope + v, L]
+    key_up, value_up = per_head[:, :nope], per_head[:, nope:]
+    query_nope, query_rot = query.split([nope, rope], dim=-1)
+    # Every head's rows against the one latent head: [B, H * q, L] @ [B, L, kv], the rotary part added.
+    # Each head's rows through its own up-projection, heads as the batch of one product (the weights read once).
+    head_rows = query_nope.permute(1, 0, 2, 3).reshape(heads, batch * q_len, nope)
+    query_latent = torch.bmm(head_rows, key_up).view(heads, batch, q_len, latent_size).transpose(0, 1)
+    query_latent = query_latent.reshape(batch, heads * q_len, latent_size)
+    rotary_scores = torch.matmul(query_rot.reshape(batch, heads * q_len, rope), rotary_key[:, 0].transpose(1, 2))
+    scores = torch.baddbmm(rotary_scores, query_latent, latent[:, 0].transpose(1, 2), beta=scale, alpha=scale)
+    scores = scores.view(batch, heads, q_len, kv_len)
+    masked_rows = None
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            scores = scores.masked_fill(~attn_mask, torch.finfo(scores.dtype).min)
+            masked_rows = ~attn_mask.any(dim=-1, keepdim=True)
+        else:
+            scores = scores + attn_mask
+            masked_rows = (attn_mask <= torch.finfo(attn_mask.dtype).min).all(dim=-1, keepdim=True)
+    if sinks is None:
+        weights = F.softmax(scores, dim=-1, dtype=torch.float32)
+    else:
+        sink = sink_logits(sinks, batch, heads, q_len).float().unsqueeze(-1)  # [B or 1, H, q or 1, 1]
+        scores = scores.float()
+        peak = torch.maximum(scores.amax(dim=-1, keepdim=True), sink)
+        exponentials = torch.exp(scores - peak)
+        weights = exponentials / (exponentials.sum(dim=-1, keepdim=True) + torch.exp(sink - peak))
+    weights = weights.to(query.dtype)
+    if masked_rows is not None:
+        weights = weights.masked_fill(masked_rows, 0.0)
+    weights = F.dropout(weights, p=dropout_p, training=dropout_p > 0.0)
+    output_latent = torch.bmm(weights.view(batch, heads * q_len, kv_len), latent[:, 0])  # [B, H * q, L]
+    output_rows = output_latent.view(batch, heads, q_len, latent_size).transpose(0, 1).reshape(heads, -1, latent_size)
+    output = torch.bmm(output_rows, value_up.transpose(1, 2))  # [H, B * q, v]
+    return output.view(heads, batch, q_len, -1).transpose(0, 1)
+
+
+def absorbs(q_len: int, latent_size: int, rope: int, nope: int, value_size: int) -> bool:
+    """Whether absorption does less work than expansion for `q_len` query rows per sequence: absorbed, each row
+    costs `2 * L + rope` products per key; expanded, each key costs `L * (nope + v)` to expand (then `qk + v` per
+    row). The scores it holds, `q` per head and key, then stay below what expansion holds (`qk + v` per head and
+    key): DeepSeek-V3's geometry absorbs up to 170 rows."""
+    absorbed = q_len * (2 * latent_size + rope)
+    expanded = latent_size * (nope + value_size) + q_len * (nope + rope + value_size)
+    return absorbed < expanded
