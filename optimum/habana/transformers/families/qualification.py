@@ -90,8 +90,9 @@ FUSED_PATHS = {
     SINKS: "fused: decode steps on CPU take the sinks into each row's softmax (the decode kernel, the cut context); "
     "elsewhere each sink is one more key of score `sink` and value 0 (FusedSDPA's own sink argument where the Gaudi "
     "software has it, in inference); gradients reach the sinks",
-    LATENT: "fused: decode steps on CPU run over the values' own width; elsewhere the value is padded to the query's "
-    "head size for the call only; the cache keeps its own sizes",
+    LATENT: "fused: where the family caches the compressed latent (all but mimo_v2_flash), decode steps attend over "
+    "it as it lies, kv_b_proj absorbed into the query and the output, nothing expanded; other decode steps on CPU run "
+    "over the values' own width; a prompt's value is padded to the query's head size for the call only",
     SELECTED_KEYS: "fused, over the keys the indexer selected (the family's own selection, as a mask), never dense",
     POSITION_BIAS: "fused, the bias added to the mask as a float mask",
     SOFTCAP: "default path, one warning: no fused kernel applies tanh to the scores",
