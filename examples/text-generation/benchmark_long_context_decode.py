@@ -11,7 +11,8 @@ cache its generate() builds by default (this library: `GrowingCache`; stock: `Dy
 at the context and at 64 tokens, `--rounds` rounds in alternating order, medians. The table gives each path's step,
 its ratio to stock (flag / stock sdpa, default / stock eager), its context cost (step at the context minus step at
 64 tokens; "below noise" where it is within the spread of the rounds) against the time to read the keys and values once at the read rate a batch-1 linear layer reaches in the
-same run, the bound (weights and cache read once), the memory its cache holds against what its tokens need, the
+same run (latent attention: also against its products' floor, the work of attending over the compressed cache at the
+rate its largest product reaches here), the bound (weights and cache read once), the memory its cache holds against what its tokens need, the
 most memory its steps needed above that, and whether its tokens equal the default path's. With `--continuous_batching`,
 rows for the same prompts served by transformers' continuous-batching engine over its paged cache
 (`optimum.habana.cli.benchmarks.paged_decode`). docs/benchmarks.md shows the measured tables.
@@ -32,6 +33,8 @@ from optimum.habana.cli.benchmarks.long_context_decode import (
     REFERENCE,
     SETTLED_MMAP_THRESHOLD,
     STEP,
+    absorbed_product_rate,
+    absorbed_products_per_token,
     decode_paths,
     kv_bytes_per_token,
     linear_read_rate,
@@ -172,6 +175,9 @@ def main(argv: list[str] | None = None, control_malloc: bool = False) -> int:
                 ids = prompt_ids(config, batch, context, arguments.seed)
                 timings |= paged_decode.measure_engine_shape(engines, ids, arguments.steps, arguments.rounds, progress)
             kv_read = batch * context * per_token / read_rate
+            # Latent attention over its compressed cache is bound by its products, not by the read: their floor.
+            products = batch * context * absorbed_products_per_token(config)
+            products_floor = products / absorbed_product_rate(config, context, dtype) if products else None
             bound = batch * read_rate / (weights + batch * context * per_token)
             needed = batch * (context + arguments.steps) * per_token
             for name, timing in timings.items():
@@ -194,6 +200,18 @@ def main(argv: list[str] | None = None, control_malloc: bool = False) -> int:
                         "KV read once [ms]": f"{kv_read * 1e3:.1f}",
                         "cost / KV read": (
                             f"{timing.context_cost / kv_read:.2f}" if timing.context_cost_measured else "-"
+                        ),
+                        **(
+                            {
+                                "products floor [ms]": f"{products_floor * 1e3:.1f}",
+                                "cost / floor": (
+                                    f"{timing.context_cost / products_floor:.2f}"
+                                    if timing.context_cost_measured
+                                    else "-"
+                                ),
+                            }
+                            if products_floor
+                            else {}
                         ),
                         "bound tok/s": f"{bound:.1f}",
                         "cache held / needed [MiB]": (

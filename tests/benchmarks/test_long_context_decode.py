@@ -63,6 +63,31 @@ def test_the_pytorch_kernel_and_whole_context_rows_are_the_flag_without_the_kern
         assert kernel_calls == {3: 6}  # the query group of 3 as rows
 
 
+def test_latent_attention_rows_read_the_compressed_cache_and_give_its_products_floor(capsys, monkeypatch):
+    """DeepSeek-V2-Lite's geometry, one layer, a random compressed cache: the flag's decode steps attend over it
+    (kernels/latent.py), the table adds the products' floor, and every path gives the default path's tokens."""
+    from optimum.habana.transformers import attention
+
+    absorbed_rows = []
+    absorb = attention.absorbed_latent_sdpa
+
+    def recorded(query, *args, **kwargs):
+        absorbed_rows.append(query.shape[2])
+        return absorb(query, *args, **kwargs)
+
+    monkeypatch.setattr(attention, "absorbed_latent_sdpa", recorded)
+    argv = ["--model_name_or_path", "deepseek-v2-lite-attn", "--preset_layers", "1", "--preset_intermediate_size"]
+    assert load_script(SCRIPT).main([*argv, "64", "--shapes", "1x96", "--steps", "2", "--rounds", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "keys and values 2,304 bytes a token; cache random" in out  # (512 + 64) float32 numbers, one layer
+    header, *rows = table_rows(out)
+    assert "products floor [ms]" in header and "cost / floor" in header
+    measured = [row for row in rows if row[0] == "1 x 96"]
+    assert [row[1] for row in measured] == ["flag", "default", "stock sdpa", "stock eager"]
+    assert all(row[-1] == "same" for row in measured)
+    assert absorbed_rows and set(absorbed_rows) == {1}  # the flag's decode steps, one query row each
+
+
 def test_the_continuous_batching_rows_serve_the_same_prompts_through_the_engine(capsys, monkeypatch):
     """The engine's rows decode the other rows' prompts to the default path's tokens; the flag's decode rows read the
     paged cache in place on one row and never on the engine's-gather row (its steps: 3 at the context and 3 at 64

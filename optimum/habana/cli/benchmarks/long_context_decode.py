@@ -125,6 +125,31 @@ def kv_bytes_per_token(config: Any, dtype: torch.dtype) -> int:
     return 2 * layers * config.num_key_value_heads * head_dim * element
 
 
+def absorbed_products_per_token(config: Any) -> int:
+    """Floating-point operations a decode step of latent attention does per cached token and sequence when it attends
+    over the compressed cache (`kernels/latent.py`): each head's scores against the latent and the rotary key, then
+    its weighted sum of latents, over every full-attention layer; 0 for any other attention."""
+    if not getattr(config, "kv_lora_rank", None):
+        return 0
+    kinds = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
+    layers = sum(kind == "full_attention" for kind in kinds)
+    return 2 * layers * config.num_attention_heads * (2 * config.kv_lora_rank + config.qk_rope_head_dim)
+
+
+def absorbed_product_rate(config: Any, context: int, dtype: torch.dtype, repeats: int = 9) -> float:
+    """Floating-point operations per second of the absorbed step's largest product on this machine: every head's
+    latent query against `context` cached latents, `[1, H, L] @ [1, L, context]`, as `kernels.latent` runs it."""
+    heads, latent = config.num_attention_heads, config.kv_lora_rank
+    rows, cache = torch.randn(1, heads, latent, dtype=dtype), torch.randn(1, context, latent, dtype=dtype)
+    return (
+        2
+        * heads
+        * latent
+        * context
+        / median_seconds(lambda: torch.bmm(rows, cache.transpose(1, 2)), rows.device, repeats)
+    )
+
+
 def prompt_ids(config: Any, batch: int, context: int, seed: int) -> torch.Tensor:
     """The random prompt of a shape (`[batch, context]` token ids), the same for every path."""
     generator = torch.Generator().manual_seed(seed)
@@ -149,10 +174,12 @@ def prefill(
         layers = output.past_key_values.layers
         return [(layer.keys, layer.values) for layer in layers], output.logits[:, -1:].argmax(-1)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    shape = (batch, config.num_key_value_heads, context, head_dim)
+    shapes = [(batch, config.num_key_value_heads, context, head_dim)] * 2
+    if getattr(config, "kv_lora_rank", None):  # latent attention caches the latent and the rotary key, one head each
+        shapes = [(batch, 1, context, config.kv_lora_rank), (batch, 1, context, config.qk_rope_head_dim)]
     dtype = next(model.parameters()).dtype
     layers = [
-        tuple(torch.randn(shape, generator=generator, dtype=dtype).to(device) for _ in range(2))
+        tuple(torch.randn(shape, generator=generator, dtype=dtype).to(device) for shape in shapes)
         for _ in range(config.num_hidden_layers)
     ]
     return layers, ids[:, -1:]
@@ -330,6 +357,8 @@ __all__ = [
     "PathTiming",
     "cache_bytes",
     "decode_paths",
+    "absorbed_product_rate",
+    "absorbed_products_per_token",
     "kv_bytes_per_token",
     "linear_read_rate",
     "measure_shape",
