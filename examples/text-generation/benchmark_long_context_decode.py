@@ -8,9 +8,9 @@
 
 For each batch x context, one prompt is prefilled once and every path decodes from a copy of its cache, with the
 cache its generate() builds by default (this library: `GrowingCache`; stock: `DynamicCache`): `--steps` greedy steps
-at the context and at 64 tokens, `--rounds` rounds in alternating order, medians. The table gives each path's step,
-its ratio to stock (flag / stock sdpa, default / stock eager), its context cost (step at the context minus step at
-64 tokens; "below noise" where it is within the spread of the rounds) against the time to read the keys and values once at the read rate a batch-1 linear layer reaches in the
+at the context and at 64 tokens, one of each in turn, `--rounds` rounds in alternating order, medians. The table gives each path's step,
+its ratio to stock (flag / stock sdpa, default / stock eager), its context cost (step at the context minus the step at
+64 tokens beside it; "below noise" where it is within the spread of the rounds) against the time to read the keys and values once at the read rate a batch-1 linear layer reaches in the
 same run (latent attention: also against its products' floor, the work of attending over the compressed cache at the
 rate its largest product reaches here), the bound (weights and cache read once), the memory its cache holds against what its tokens need, the
 most memory its steps needed above that, and whether its tokens equal the default path's. With `--continuous_batching`,

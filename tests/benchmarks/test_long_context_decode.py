@@ -181,7 +181,7 @@ def test_a_context_cost_within_the_rounds_spread_is_printed_as_noise(capsys, mon
     def faster_at_the_context(*args, **kwargs):
         timings = measure(*args, **kwargs)
         for timing in timings.values():
-            timing.long_steps = [step / 2 for step in timing.base_steps]
+            timing.round_costs = [-step / 2 for step in timing.base_steps]
         return timings
 
     script = load_script(SCRIPT)
@@ -192,8 +192,43 @@ def test_a_context_cost_within_the_rounds_spread_is_printed_as_noise(capsys, mon
     for row in rows:
         assert row[header.index("context cost [ms]")].startswith("below noise (")
         assert row[header.index("cost / KV read")] == "-"
-    timing = long_context_decode.PathTiming(long_steps=[0.010, 0.011], base_steps=[0.004, 0.0045])
-    assert timing.context_cost_measured and timing.noise == pytest.approx(0.001)
-    assert not long_context_decode.PathTiming(
-        long_steps=[0.010, 0.014], base_steps=[0.008, 0.009]
-    ).context_cost_measured
+    timing = long_context_decode.PathTiming(round_costs=[0.006, 0.0065, 0.007])
+    assert timing.context_cost == pytest.approx(0.0065) and timing.noise == pytest.approx(0.001)
+    assert timing.context_cost_measured
+    assert not long_context_decode.PathTiming(round_costs=[0.001, 0.004]).context_cost_measured
+
+
+def test_each_rounds_context_cost_pairs_steps_taken_side_by_side(monkeypatch):
+    """A machine that slows down between rounds moves both steps of a pair: the context cost stays the pairs'
+    difference. Timed by a fake clock: 1 s a step at the context, 0.25 s at 64 tokens, 10 s more from the second
+    round on (two steps of each per round)."""
+    from optimum.habana.cli.benchmarks import long_context_decode
+
+    calls = []
+
+    def step(path, cache, token):
+        calls.append(cache.length)
+        slower = 10.0 if len(calls) > 4 else 0.0  # the second round's steps and after
+        return (1.0 if cache.length > 64 else 0.25) + slower, token
+
+    monkeypatch.setattr(long_context_decode, "one_step", step)
+    monkeypatch.setattr(long_context_decode, "filled_cache", lambda path, kv, length, steps: FixedLength(length))
+    monkeypatch.setattr(long_context_decode, "cache_bytes", lambda cache: 0)
+    monkeypatch.setattr(long_context_decode, "step_peak_memory", lambda *args, **kwargs: 0)
+    path = long_context_decode.DecodePath("flag", torch.nn.Linear(1, 1), {}, growing_cache=False)
+    kv = [(torch.zeros(1, 1, 96, 1), torch.zeros(1, 1, 96, 1))]
+    timing = long_context_decode.measure_shape([path], kv, torch.zeros(1, 1, dtype=torch.long), 2, 3)["flag"]
+    assert calls == [96, 64] * 6  # in turn
+    assert timing.round_costs == [0.75, 0.75, 0.75] and timing.context_cost_measured
+    assert timing.long_steps == [
+        1.0,
+        11.0,
+        11.0,
+    ]  # a spread of 10 s, which the rounds' absolute steps would call noise
+
+
+class FixedLength:
+    """A stand-in cache of `length` tokens, for the fake clock."""
+
+    def __init__(self, length: int) -> None:
+        self.length = length

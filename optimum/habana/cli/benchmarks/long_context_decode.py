@@ -3,10 +3,11 @@ process, each from a copy of the same prefilled cache.
 
 A path is a model and the cache its generate() builds by default: this library's class with and without
 `use_flash_attention` (a `GrowingCache`), stock transformers with SDPA and eager attention (a `DynamicCache`). A
-round times every path's decode steps at the long context, then at `BASE_CONTEXT` tokens (the first tokens of the
-same cache); rounds alternate the paths' order, and the table takes the median over rounds of each round's median
-step. What a step gains with the context (step at L minus step at BASE_CONTEXT) is compared with the time it takes to
-read the keys and values once at the read rate a batch-1 linear layer reaches in the same run.
+round times every path's decode steps at the long context and at `BASE_CONTEXT` tokens (the first tokens of the
+same cache), one step of each in turn; rounds alternate the paths' order, and the table takes the median over rounds
+of each round's median step. What a step gains with the context (the median over a round's pairs of step at L minus
+step at BASE_CONTEXT, then the median over rounds) is compared with the time it takes to read the keys and values
+once at the read rate a batch-1 linear layer reaches in the same run.
 """
 
 import contextlib
@@ -56,10 +57,12 @@ class DecodePath:
 
 @dataclass
 class PathTiming:
-    """One path at one shape: the median step per round, at the long context and at BASE_CONTEXT."""
+    """One path at one shape: the median step per round at the long context and at BASE_CONTEXT, and each round's
+    context cost (the median of its paired steps' differences, where the steps alternate between the contexts)."""
 
     long_steps: list[float] = field(default_factory=list)
     base_steps: list[float] = field(default_factory=list)
+    round_costs: list[float] = field(default_factory=list)
     tokens: torch.Tensor | None = None  # the greedy tokens of its steps at the long context (first round)
     cache_bytes: int = 0  # what its cache holds at the long context after the steps
     step_peak_bytes: int = 0  # the most memory above the start that its steps at the long context needed at once
@@ -70,13 +73,14 @@ class PathTiming:
 
     @property
     def context_cost(self) -> float:
-        return self.long_step - statistics.median(self.base_steps)
+        return statistics.median(self.round_costs)
 
     @property
     def noise(self) -> float:
-        """The spread of the rounds' median steps, at either context: a context cost within it is not measured (with
-        one round nothing says how large it is: only a cost above zero counts)."""
-        return max((max(steps) - min(steps) for steps in (self.long_steps, self.base_steps)), default=0.0)
+        """The spread of the rounds' context costs: a cost within it is not measured (with one round nothing says how
+        large it is: only a cost above zero counts). Each round's cost is a difference of steps taken side by side,
+        so a machine that slows down between rounds moves both of its terms."""
+        return max(self.round_costs) - min(self.round_costs)
 
     @property
     def context_cost_measured(self) -> bool:
@@ -206,24 +210,54 @@ def timed_steps(
     path: DecodePath, cache: Cache, first_token: torch.Tensor, steps: int
 ) -> tuple[list[float], torch.Tensor]:
     """`steps` greedy decode steps: each one's seconds, and the tokens."""
-    device = first_token.device
     token, tokens, seconds = first_token, [], []
+    with path_settings(path):
+        for _ in range(steps):
+            elapsed, token = one_step(path, cache, token)
+            seconds.append(elapsed)
+            tokens.append(token)
+    return seconds, torch.cat(tokens, dim=-1)
+
+
+@torch.no_grad()
+def paired_steps(
+    path: DecodePath, cache: Cache, base_cache: Cache, first_token: torch.Tensor, steps: int
+) -> tuple[list[float], list[float], torch.Tensor]:
+    """`steps` greedy decode steps over each cache, alternating one over `cache` and one over `base_cache`: the
+    seconds of each, and the tokens over `cache`. Side by side, the two steps of a pair see the same machine."""
+    token, base_token, tokens, seconds, base_seconds = first_token, first_token, [], [], []
+    with path_settings(path):
+        for _ in range(steps):
+            elapsed, token = one_step(path, cache, token)
+            seconds.append(elapsed)
+            tokens.append(token)
+            elapsed, base_token = one_step(path, base_cache, base_token)
+            base_seconds.append(elapsed)
+    return seconds, base_seconds, torch.cat(tokens, dim=-1)
+
+
+@contextlib.contextmanager
+def path_settings(path: DecodePath) -> Iterator[None]:
+    """The kernel switches a path's row names: the decode kernel off, the context never cut."""
     with contextlib.ExitStack() as settings:
         if not path.decode_kernel:
             settings.enter_context(mock.patch.dict(os.environ, {cpu_decode.ENV_VAR: "0"}))
         if path.whole_context:
             settings.enter_context(mock.patch.object(split_context, "MIN_PIECE_TOKENS", sys.maxsize))
-        for _ in range(steps):
-            synchronize(device)
-            start = time.perf_counter()
-            output = path.model(
-                input_ids=token, past_key_values=cache, use_cache=True, logits_to_keep=1, **path.forward_kwargs
-            )
-            token = output.logits[:, -1:].argmax(-1)
-            synchronize(device)
-            seconds.append(time.perf_counter() - start)
-            tokens.append(token)
-    return seconds, torch.cat(tokens, dim=-1)
+        yield
+
+
+def one_step(path: DecodePath, cache: Cache, token: torch.Tensor) -> tuple[float, torch.Tensor]:
+    """One greedy decode step's seconds, and its token."""
+    device = token.device
+    synchronize(device)
+    start = time.perf_counter()
+    output = path.model(
+        input_ids=token, past_key_values=cache, use_cache=True, logits_to_keep=1, **path.forward_kwargs
+    )
+    token = output.logits[:, -1:].argmax(-1)
+    synchronize(device)
+    return time.perf_counter() - start, token
 
 
 def measure_shape(
@@ -235,23 +269,23 @@ def measure_shape(
     progress: Callable[[str], None] = lambda line: None,
     control_malloc: bool = False,
 ) -> dict[str, PathTiming]:
-    """Every path's steps at the prefilled length and at BASE_CONTEXT, `rounds` times, in alternating order; then,
-    untimed, the memory its steps at the prefilled length need (`step_peak_memory`)."""
+    """Every path's steps at the prefilled length and at BASE_CONTEXT, one of each in turn (`paired_steps`), `rounds`
+    times, the paths in alternating order; then, untimed, the memory its steps at the prefilled length need
+    (`step_peak_memory`)."""
     context = kv[0][0].shape[2]
     timings = {path.name: PathTiming() for path in paths}
     for round_index in range(rounds):
         for path in paths if round_index % 2 == 0 else paths[::-1]:
             progress(f"round {round_index + 1}/{rounds}: {path.name}")
             timing = timings[path.name]
-            cache = filled_cache(path, kv, context, steps)
-            seconds, tokens = timed_steps(path, cache, first_token, steps)
+            cache, base_cache = filled_cache(path, kv, context, steps), filled_cache(path, kv, BASE_CONTEXT, steps)
+            seconds, base_seconds, tokens = paired_steps(path, cache, base_cache, first_token, steps)
             timing.long_steps.append(statistics.median(seconds))
+            timing.base_steps.append(statistics.median(base_seconds))
+            timing.round_costs.append(statistics.median(a - b for a, b in zip(seconds, base_seconds, strict=True)))
             timing.tokens = tokens if timing.tokens is None else timing.tokens
             timing.cache_bytes = cache_bytes(cache)
-            del cache
-            base_cache = filled_cache(path, kv, BASE_CONTEXT, steps)
-            timing.base_steps.append(statistics.median(timed_steps(path, base_cache, first_token, steps)[0]))
-            del base_cache
+            del cache, base_cache
     for path in paths:
         progress(f"memory: {path.name}")
         timings[path.name].step_peak_bytes = step_peak_memory(path, kv, first_token, steps, control_malloc)

@@ -130,6 +130,7 @@ def measure_engine_shape(
             timing.long_steps.append(statistics.median(seconds))
             timing.tokens = tokens if timing.tokens is None else timing.tokens
             timing.base_steps.append(statistics.median(engine_steps(path, base_prompts, steps)[0]))
+            timing.round_costs.append(timing.long_steps[-1] - timing.base_steps[-1])  # the engine's runs in turn
     return timings
 
 
