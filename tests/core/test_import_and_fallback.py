@@ -121,3 +121,28 @@ def test_default_path_grouped_query_attention_matches_repeated_heads():
     )
     torch.testing.assert_close(output, expected.transpose(1, 2))
     assert weights.shape == (2, 6, 5, 5) and torch.all(weights.triu(1) == 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_default_paths_weights_meet_the_values_in_the_layout_the_cpu_product_is_fast_in(dtype, monkeypatch):
+    """A half-precision product on CPU gets the weights column-major (`weights_for_value_product`): the same
+    output, and the weights returned still receive their gradient; float32 gets them as they are."""
+    generator = torch.Generator().manual_seed(0)
+    query = torch.randn(2, 6, 5, 8, generator=generator).to(dtype).requires_grad_(True)
+    key, value = (torch.randn(2, 2, 5, 8, generator=generator).to(dtype) for _ in range(2))
+    operands, matmul = [], torch.matmul
+
+    def product(left, right):
+        operands.append(left)
+        return matmul(left, right)
+
+    expected, _ = matmul_softmax_attention(query, key, value, None, 8**-0.5)
+    monkeypatch.setattr(torch, "matmul", product)
+    output, weights = matmul_softmax_attention(query, key, value, None, 8**-0.5)
+    monkeypatch.undo()
+    assert torch.equal(output, expected)
+    layouts = [operand.stride(-2) == 1 for operand in operands[1:]]  # the first product is the scores'
+    assert layouts == [dtype == torch.bfloat16]
+    weights.retain_grad()
+    output.float().sum().backward()
+    assert weights.grad is not None and query.grad is not None

@@ -18,6 +18,7 @@ few rows (decode steps), not for a prompt.
 import torch
 from torch.nn import functional as F
 
+from .dispatch import weights_for_value_product
 from .sinks import sink_logits
 
 
@@ -72,13 +73,7 @@ def absorbed_latent_sdpa(
     if masked_rows is not None:
         weights = weights.masked_fill(masked_rows, 0.0)
     weights = F.dropout(weights, p=dropout_p, training=dropout_p > 0.0)
-    weights = weights.view(batch, heads * q_len, kv_len)
-    if weights.device.type == "cpu" and weights.dtype != torch.float32:
-        # Column-major weights ([B, kv, H * q] in memory): PyTorch's CPU product of half-precision numbers takes them
-        # 25x faster than row-major (12 against 330 ms in bfloat16 at 2048 tokens and DeepSeek-V3's sizes, on AVX2),
-        # where in float32 the copy costs more than it gains (8.8 against 6.9 ms at 8192). A copy of the weights,
-        # which grow with the context as the scores do, never of the cache.
-        weights = weights.transpose(1, 2).contiguous().transpose(1, 2)
+    weights = weights_for_value_product(weights.view(batch, heads * q_len, kv_len))
     output_latent = torch.bmm(weights, latent[:, 0])  # [B, H * q, L]
     output_rows = output_latent.view(batch, heads, q_len, latent_size).transpose(0, 1).reshape(heads, -1, latent_size)
     output = torch.bmm(output_rows, value_up.transpose(1, 2))  # [H, B * q, v]

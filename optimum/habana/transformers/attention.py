@@ -20,7 +20,7 @@ from transformers import PreTrainedConfig
 from transformers.generation.continuous_batching.cache import PagedAttentionCache
 from transformers.utils.generic import TransformersKwargs
 
-from ..kernels.dispatch import FusedSDPAUnavailable, fused_sdpa, warn_once
+from ..kernels.dispatch import FusedSDPAUnavailable, fused_sdpa, warn_once, weights_for_value_product
 from ..kernels.latent import absorbed_latent_sdpa
 from ..kernels.sinks import sink_weight_column
 from ..kernels.variable_length import (
@@ -426,7 +426,7 @@ def matmul_softmax_attention(
     probabilities = nn.functional.dropout(probabilities, p=dropout, training=dropout > 0.0)
     # The weights returned are the tensor the output is computed from: a caller's retain_grad() on them sees grads.
     weights = probabilities.view(batch, heads, q_len, kv_len)
-    output = torch.matmul(weights.view(batch, kv_heads, groups * q_len, kv_len), value)
+    output = torch.matmul(weights_for_value_product(weights.view(batch, kv_heads, groups * q_len, kv_len)), value)
     output = output.view(batch, heads, q_len, -1).transpose(1, 2).contiguous()
     return output, weights
 
