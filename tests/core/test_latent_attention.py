@@ -201,3 +201,22 @@ def test_expanded_is_the_familys_own_expansion():
     key, value = expanded(module, latent, rotary_key)
     expected_key, expected_value = DeepseekV3Attention.expand_kv(module, latent, rotary_key)
     assert torch.equal(key, expected_key) and torch.equal(value, expected_value)
+
+
+@pytest.mark.parametrize("companion", ["flash_attention_recompute", "flash_attention_fast_softmax"])
+def test_a_short_prompt_with_a_prompt_companion_runs_the_fused_kernel(companion, monkeypatch):
+    """A prompt short enough to absorb, with a companion that acts on the fused kernel's prompt: the fused kernel
+    runs it (and the companion with it); decode steps, which both leave exact, still absorb."""
+    ours, _ = family_pair("deepseek_v3")
+    absorbed, fused = [], []
+    absorb, fuse = attention.absorbed_latent_sdpa, attention.fused_sdpa
+    monkeypatch.setattr(
+        attention, "absorbed_latent_sdpa", lambda q, *a, **k: absorbed.append(q.shape[2]) or absorb(q, *a, **k)
+    )
+    monkeypatch.setattr(attention, "fused_sdpa", lambda q, *a, **k: fused.append(q.shape[2]) or fuse(q, *a, **k))
+    inputs = {"input_ids": torch.randint(3, 60, (1, 12), generator=torch.Generator().manual_seed(0))}
+    ours.generate(**inputs, max_new_tokens=3, do_sample=False, use_flash_attention=True, **{companion: True})
+    assert fused == [12] * ours.config.num_hidden_layers and set(absorbed) == {1}
+    absorbed.clear(), fused.clear()
+    ours.generate(**inputs, max_new_tokens=3, do_sample=False, use_flash_attention=True)
+    assert fused == [] and absorbed.count(12) == ours.config.num_hidden_layers

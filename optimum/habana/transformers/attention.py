@@ -239,8 +239,9 @@ def absorbed_latent_attention(
     """With the flag, an inference call of latent attention with a few query rows (decode steps), over its compressed
     cache (`kernels/latent.py`): nothing as long as the context is expanded or copied. None where the call takes the
     general path: without the flag (the default path is stock's expansion), in training (the fused kernels' backward
-    and recompute), with anything in `GENERAL_PATH_KWARGS`, or where absorbing is not exact or cheaper
-    (`absorbable_up_projection`). Returns `[B, q, H, v]`."""
+    and recompute), for a prompt with the fused kernel's prompt companions (recompute, fast softmax), with anything
+    in `GENERAL_PATH_KWARGS`, or where absorbing is not exact or cheaper (`absorbable_up_projection`). Returns
+    `[B, q, H, v]`."""
     call = dict(kwargs)
     flags = call_attention_flags(call, model_flag_defaults(module))
     scaling = call.pop("scaling", None)
@@ -251,6 +252,9 @@ def absorbed_latent_attention(
     if module.training or not flags.use_flash_attention or set(call) - IGNORED_ATTENTION_KWARGS - GENERAL_PATH_KWARGS:
         return None  # an unknown argument: the general path names it
     if any(call.get(name) is not None and call.get(name) is not False for name in GENERAL_PATH_KWARGS):
+        return None
+    prompt_companions = query.shape[2] > 1 and (flags.flash_attention_recompute or flags.flash_attention_fast_softmax)
+    if prompt_companions:  # they act on a prompt's fused kernel (decode steps stay exact either way): it runs
         return None
     up_projection = absorbable_up_projection(module, query, latent)
     if up_projection is None or local_extent(module, None, query.shape[2]) != (None, None):

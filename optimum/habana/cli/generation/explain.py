@@ -405,7 +405,12 @@ def call_account(
     window_kept = planned and window is not None and not runs_local
     if window_kept:
         planned = False
-    if group.latent is not None and not planned and window is None and absorbed_phase(group, phase.q_len):
+    prompt_companions = is_prefill and (flags.flash_attention_recompute or flags.flash_attention_fast_softmax)
+    if (
+        group.latent is not None
+        and not (planned or window or prompt_companions)
+        and absorbed_phase(group, phase.q_len)
+    ):
         return (
             f"over the compressed cache (kv_b_proj absorbed into the query and the output; kernels/latent.py): "
             f"attn_mask={mask}, is_causal={mask_skipped and is_prefill}, scale={group.scaling:g}"
