@@ -81,6 +81,21 @@ def weights_for_value_product(weights: torch.Tensor) -> torch.Tensor:
     return weights
 
 
+def fully_masked_queries(attention_mask: torch.Tensor | None) -> torch.Tensor | None:
+    """True (shape `[..., q, 1]`) for the query positions whose mask lets them attend to no key at all.
+
+    Such a position (left padding, or every position of a row whose attention mask is all zeros) gets a zero
+    attention output on both paths, which is what PyTorch's fused SDPA returns for it: the softmax of a fully
+    masked row would otherwise average the values uniformly on one path and give 0 (or NaN) on another. Real
+    tokens never attend to these positions, so only their own, meaningless, outputs are set.
+    """
+    if attention_mask is None:
+        return None
+    if attention_mask.dtype == torch.bool:
+        return ~attention_mask.any(dim=-1, keepdim=True)
+    return (attention_mask <= torch.finfo(attention_mask.dtype).min).all(dim=-1, keepdim=True)
+
+
 def kernel_name(device: torch.device) -> str:
     """The device's fused kernel, in words."""
     if device.type == "hpu":
@@ -389,6 +404,7 @@ warn_once.cache_clear = _warn_once.cache_clear  # tests reset the "once"
 __all__ = [
     "FusedSDPAUnavailable",
     "KernelPath",
+    "fully_masked_queries",
     "fused_sdpa",
     "kernel_name",
     "kernel_path",

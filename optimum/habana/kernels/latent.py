@@ -18,7 +18,7 @@ few rows (decode steps), not for a prompt.
 import torch
 from torch.nn import functional as F
 
-from .dispatch import weights_for_value_product
+from .dispatch import fully_masked_queries, weights_for_value_product
 from .sinks import sink_logits
 
 
@@ -45,22 +45,18 @@ def absorbed_latent_sdpa(
     per_head = up_projection.view(heads, -1, latent_size)  # [H, nope + v, L]
     key_up, value_up = per_head[:, :nope], per_head[:, nope:]
     query_nope, query_rot = query.split([nope, rope], dim=-1)
-    # Every head's rows against the one latent head: [B, H * q, L] @ [B, L, kv], the rotary part added.
     # Each head's rows through its own up-projection, heads as the batch of one product (the weights read once).
     head_rows = query_nope.permute(1, 0, 2, 3).reshape(heads, batch * q_len, nope)
     query_latent = torch.bmm(head_rows, key_up).view(heads, batch, q_len, latent_size).transpose(0, 1)
     query_latent = query_latent.reshape(batch, heads * q_len, latent_size)
+    # Every head's rows against the one latent head: [B, H * q, L] @ [B, L, kv], the rotary part added.
     rotary_scores = torch.matmul(query_rot.reshape(batch, heads * q_len, rope), rotary_key[:, 0].transpose(1, 2))
     scores = torch.baddbmm(rotary_scores, query_latent, latent[:, 0].transpose(1, 2), beta=scale, alpha=scale)
     scores = scores.view(batch, heads, q_len, kv_len)
-    masked_rows = None
-    if attn_mask is not None:
-        if attn_mask.dtype == torch.bool:
-            scores = scores.masked_fill(~attn_mask, torch.finfo(scores.dtype).min)
-            masked_rows = ~attn_mask.any(dim=-1, keepdim=True)
-        else:
-            scores = scores + attn_mask
-            masked_rows = (attn_mask <= torch.finfo(attn_mask.dtype).min).all(dim=-1, keepdim=True)
+    if attn_mask is not None and attn_mask.dtype == torch.bool:
+        scores = scores.masked_fill(~attn_mask, torch.finfo(scores.dtype).min)
+    elif attn_mask is not None:
+        scores = scores + attn_mask
     if sinks is None:
         weights = F.softmax(scores, dim=-1, dtype=torch.float32)
     else:
@@ -70,6 +66,7 @@ def absorbed_latent_sdpa(
         exponentials = torch.exp(scores - peak)
         weights = exponentials / (exponentials.sum(dim=-1, keepdim=True) + torch.exp(sink - peak))
     weights = weights.to(query.dtype)
+    masked_rows = fully_masked_queries(attn_mask)
     if masked_rows is not None:
         weights = weights.masked_fill(masked_rows, 0.0)
     weights = F.dropout(weights, p=dropout_p, training=dropout_p > 0.0)

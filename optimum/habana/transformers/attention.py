@@ -20,7 +20,13 @@ from transformers import PreTrainedConfig
 from transformers.generation.continuous_batching.cache import PagedAttentionCache
 from transformers.utils.generic import TransformersKwargs
 
-from ..kernels.dispatch import FusedSDPAUnavailable, fused_sdpa, warn_once, weights_for_value_product
+from ..kernels.dispatch import (
+    FusedSDPAUnavailable,
+    fully_masked_queries,
+    fused_sdpa,
+    warn_once,
+    weights_for_value_product,
+)
 from ..kernels.latent import absorbed_latent_sdpa
 from ..kernels.sinks import sink_weight_column
 from ..kernels.variable_length import (
@@ -433,21 +439,6 @@ def matmul_softmax_attention(
     output = torch.matmul(weights_for_value_product(weights.view(batch, kv_heads, groups * q_len, kv_len)), value)
     output = output.view(batch, heads, q_len, -1).transpose(1, 2).contiguous()
     return output, weights
-
-
-def fully_masked_queries(attention_mask: torch.Tensor | None) -> torch.Tensor | None:
-    """True (shape `[..., q, 1]`) for the query positions whose mask lets them attend to no key at all.
-
-    Such a position (left padding, or every position of a row whose attention mask is all zeros) gets a zero
-    attention output on both paths, which is what PyTorch's fused SDPA returns for it: the softmax of a fully
-    masked row would otherwise average the values uniformly on one path and give 0 (or NaN) on another. Real
-    tokens never attend to these positions, so only their own, meaningless, outputs are set.
-    """
-    if attention_mask is None:
-        return None
-    if attention_mask.dtype == torch.bool:
-        return ~attention_mask.any(dim=-1, keepdim=True)
-    return (attention_mask <= torch.finfo(attention_mask.dtype).min).all(dim=-1, keepdim=True)
 
 
 class AttentionConfigView:
