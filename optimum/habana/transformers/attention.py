@@ -128,8 +128,7 @@ def attention_forward(
         engine_kwargs = {name: kwargs.pop(name) for name in CONTINUOUS_BATCHING_KWARGS if name in kwargs}
     elif cache is not None:
         kwargs["cache"] = cache  # named among the unknown arguments below
-    sinks = kwargs.pop("s_aux", None)  # gpt-oss's name; other families say `sinks`
-    sinks = kwargs.pop("sinks", None) if sinks is None else sinks
+    sinks = pop_sinks(kwargs)
     position_bias, selected_keys = kwargs.pop("position_bias", None), kwargs.pop("indices", None)
     unknown = set(kwargs) - IGNORED_ATTENTION_KWARGS
     if unknown:
@@ -253,15 +252,13 @@ def absorbed_latent_attention(
     scaling = call.pop("scaling", None)
     call.pop("dropout", None)  # inference only: no dropout
     is_causal, selected_keys = call.pop("is_causal", None), call.pop("indices", None)
-    sinks = call.pop("s_aux", None)  # gpt-oss's name; other families say `sinks`
-    sinks = call.pop("sinks", None) if sinks is None else sinks
+    sinks = pop_sinks(call)
     if module.training or not flags.use_flash_attention or set(call) - IGNORED_ATTENTION_KWARGS - GENERAL_PATH_KWARGS:
         return None  # an unknown argument: the general path names it
     if any(call.get(name) is not None and call.get(name) is not False for name in GENERAL_PATH_KWARGS):
         return None
-    prompt_companions = query.shape[2] > 1 and (flags.flash_attention_recompute or flags.flash_attention_fast_softmax)
-    if prompt_companions:  # they act on a prompt's fused kernel (decode steps stay exact either way): it runs
-        return None
+    if query.shape[2] > 1 and (flags.flash_attention_recompute or flags.flash_attention_fast_softmax):
+        return None  # a prompt with the companions that act on the fused kernel: that kernel runs it
     up_projection = absorbable_up_projection(module, query, latent)
     if up_projection is None or local_extent(module, None, query.shape[2]) != (None, None):
         return None
@@ -273,6 +270,12 @@ def absorbed_latent_attention(
         sinks=sinks,
     )  # fmt: skip
     return output.transpose(1, 2).contiguous()
+
+
+def pop_sinks(kwargs: dict[str, Any]) -> torch.Tensor | None:
+    """The call's sinks: gpt-oss's name for them is `s_aux`, other families say `sinks`."""
+    sinks = kwargs.pop("s_aux", None)
+    return kwargs.pop("sinks", None) if sinks is None else sinks
 
 
 def warn_about_default_path_flags(flags: AttentionFlags) -> None:
