@@ -192,6 +192,20 @@ def count_attention_paths(monkeypatch: pytest.MonkeyPatch, profile: bool = True)
         yield counts
 
 
+def record_absorbed_rows(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The query rows of each latent-attention call that attends over its compressed cache (`kernels/latent.py`),
+    recorded as the calls run."""
+    rows: list[int] = []
+    absorb = attention.absorbed_latent_sdpa
+
+    def recorded(query, *args, **kwargs):
+        rows.append(query.shape[2])
+        return absorb(query, *args, **kwargs)
+
+    monkeypatch.setattr(attention, "absorbed_latent_sdpa", recorded)
+    return rows
+
+
 def once_per_session(tmp_path_factory, name: str, produce: Callable[[Path], Any]) -> Any:
     """`produce(folder)`, run once per test session and shared as JSON by the pytest-xdist workers.
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from optimum.habana.kernels import cpu_decode, split_context
-from tests.helpers import count_context_cuts, count_decode_kernel_calls, load_script
+from tests.helpers import count_context_cuts, count_decode_kernel_calls, load_script, record_absorbed_rows
 
 
 SCRIPT = "examples/text-generation/benchmark_long_context_decode.py"
@@ -66,16 +66,7 @@ def test_the_pytorch_kernel_and_whole_context_rows_are_the_flag_without_the_kern
 def test_latent_attention_rows_read_the_compressed_cache_and_give_its_products_floor(capsys, monkeypatch):
     """DeepSeek-V2-Lite's geometry, one layer, a random compressed cache: the flag's decode steps attend over it
     (kernels/latent.py), the table adds the products' floor, and every path gives the default path's tokens."""
-    from optimum.habana.transformers import attention
-
-    absorbed_rows = []
-    absorb = attention.absorbed_latent_sdpa
-
-    def recorded(query, *args, **kwargs):
-        absorbed_rows.append(query.shape[2])
-        return absorb(query, *args, **kwargs)
-
-    monkeypatch.setattr(attention, "absorbed_latent_sdpa", recorded)
+    absorbed_rows = record_absorbed_rows(monkeypatch)
     argv = ["--model_name_or_path", "deepseek-v2-lite-attn", "--preset_layers", "1", "--preset_intermediate_size"]
     assert load_script(SCRIPT).main([*argv, "64", "--shapes", "1x96", "--steps", "2", "--rounds", "1"]) == 0
     out = capsys.readouterr().out

@@ -22,7 +22,7 @@ from optimum.habana.transformers.latent_attention import (
     receives_compressed_latent,
 )
 from tests.families.support import assert_same_steps, family_pair, greedy
-from tests.helpers import CopiedElements, left_padded_batch
+from tests.helpers import CopiedElements, left_padded_batch, record_absorbed_rows
 
 
 def latent_inputs(q_len: int, kv_len: int, dtype=torch.float32):
@@ -123,9 +123,7 @@ def test_a_layer_that_computes_other_than_its_weight_is_expanded_by_the_family(m
     for module in ours.modules():
         if receives_compressed_latent(module):
             module.kv_b_proj.register_forward_hook(lambda _, args, output: output * 1.5)
-    absorbed = []
-    absorb = attention.absorbed_latent_sdpa
-    monkeypatch.setattr(attention, "absorbed_latent_sdpa", lambda *a, **k: absorbed.append(1) or absorb(*a, **k))
+    absorbed = record_absorbed_rows(monkeypatch)
     inputs = left_padded_batch([12, 5, 9])
     assert_same_steps(greedy(ours, inputs, use_flash_attention=True), greedy(ours, inputs))
     assert absorbed == []
@@ -208,11 +206,7 @@ def test_a_short_prompt_with_a_prompt_companion_runs_the_fused_kernel(companion,
     """A prompt short enough to absorb, with a companion that acts on the fused kernel's prompt: the fused kernel
     runs it (and the companion with it); decode steps, which both leave exact, still absorb."""
     ours, _ = family_pair("deepseek_v3")
-    absorbed, fused = [], []
-    absorb, fuse = attention.absorbed_latent_sdpa, attention.fused_sdpa
-    monkeypatch.setattr(
-        attention, "absorbed_latent_sdpa", lambda q, *a, **k: absorbed.append(q.shape[2]) or absorb(q, *a, **k)
-    )
+    absorbed, fused, fuse = record_absorbed_rows(monkeypatch), [], attention.fused_sdpa
     monkeypatch.setattr(attention, "fused_sdpa", lambda q, *a, **k: fused.append(q.shape[2]) or fuse(q, *a, **k))
     inputs = {"input_ids": torch.randint(3, 60, (1, 12), generator=torch.Generator().manual_seed(0))}
     ours.generate(**inputs, max_new_tokens=3, do_sample=False, use_flash_attention=True, **{companion: True})

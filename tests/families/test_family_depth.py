@@ -15,7 +15,7 @@ from transformers.generation.continuous_batching.cache_allocators import FULL_AT
 
 from optimum.habana import gaudi_model_class, supported_model_types
 from optimum.habana.kernels import cpu_decode, dispatch, split_context
-from optimum.habana.transformers import attention, paged_attention
+from optimum.habana.transformers import paged_attention
 from optimum.habana.transformers.batch_layout import can_run_packed, local_layers_run_planned
 from optimum.habana.transformers.continuous_batching import check_engine_serves
 from optimum.habana.transformers.families.qualification import SOFTCAP
@@ -23,7 +23,7 @@ from optimum.habana.transformers.latent_attention import receives_compressed_lat
 from optimum.habana.transformers.models import family_table
 from tests.families.support import LENGTHS, NEW_TOKENS, assert_same_steps, family_pair, greedy
 from tests.families.tiny_configs import without_dropout
-from tests.helpers import count_context_cuts, count_decode_kernel_calls, left_padded_batch
+from tests.helpers import count_context_cuts, count_decode_kernel_calls, left_padded_batch, record_absorbed_rows
 
 
 pytestmark = pytest.mark.families
@@ -121,14 +121,7 @@ def test_decode_steps_on_the_cpu_decode_kernel_give_stock_tokens(model_type, mon
         return path
 
     monkeypatch.setattr(dispatch, "kernel_path", recorded)
-    absorbed_rows = []  # latent attention's steps over its compressed cache: their query rows
-    absorb = attention.absorbed_latent_sdpa
-
-    def recorded_absorbed(query, *args, **kwargs):
-        absorbed_rows.append(query.shape[2])
-        return absorb(query, *args, **kwargs)
-
-    monkeypatch.setattr(attention, "absorbed_latent_sdpa", recorded_absorbed)
+    absorbed_rows = record_absorbed_rows(monkeypatch)
     ours, stock = family_pair(model_type)
     inputs = left_padded_batch(LENGTHS)
     reference = greedy(stock, inputs)

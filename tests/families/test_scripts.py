@@ -9,7 +9,13 @@ import torch
 from tests.families.support import save_family_checkpoint
 from tests.finetuning.support import TOLERANCE, build_tokenizer, run_script, script_args
 from tests.generation.support import outputs, run_in_process
-from tests.helpers import count_attention_paths, in_make_test, load_script, train_tiny_tokenizer
+from tests.helpers import (
+    count_attention_paths,
+    in_make_test,
+    load_script,
+    record_absorbed_rows,
+    train_tiny_tokenizer,
+)
 
 
 VARIANT_FAMILIES = {
@@ -106,7 +112,6 @@ def test_explain_names_each_layers_variant_and_the_kernel_path_of_each_call(mode
     with its transforms, appears in the phase's lines."""
     from optimum.habana.cli.generation.explain import explain
     from optimum.habana.kernels import dispatch
-    from optimum.habana.transformers import attention
     from tests.generation.support import parse
 
     checkpoint = save_family_checkpoint(tmp_path, model_type, train_tiny_tokenizer(chat_template=True))
@@ -122,13 +127,7 @@ def test_explain_names_each_layers_variant_and_the_kernel_path_of_each_call(mode
 
     kernel_path = dispatch.kernel_path
     monkeypatch.setattr(dispatch, "kernel_path", recorded)
-    absorbed = []  # latent attention's calls over its compressed cache: their query rows
-    absorb = attention.absorbed_latent_sdpa
-    monkeypatch.setattr(
-        attention,
-        "absorbed_latent_sdpa",
-        lambda query, *a, **k: absorbed.append(query.shape[2]) or absorb(query, *a, **k),
-    )
+    absorbed = record_absorbed_rows(monkeypatch)  # latent attention's calls over its compressed cache
     run_in_process(
         load_script("examples/text-generation/run_generation.py"), [*argv, "--n_iterations", "1"], tmp_path / "run"
     )
