@@ -24,6 +24,7 @@ from unittest import mock
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import Cache
+from transformers.initialization import no_init_weights
 
 from optimum.habana.cli.benchmarks.compiled_decode import median_seconds
 from optimum.habana.cli.benchmarks.models import ModelSpec, build_model
@@ -97,7 +98,8 @@ def decode_paths(
     stock = {}
     for attention in ("sdpa", "eager"):
         try:
-            model = build_model(spec, attention, dtype, seed).eval()
+            with no_init_weights():  # ours replace its weights below: drawing random ones took most of a small run
+                model = build_model(spec, attention, dtype, seed).eval()
         except ValueError:  # a family whose stock class has no sdpa (gpt-oss): its rows compare with stock eager
             continue
         model.load_state_dict(ours.state_dict(), assign=True)
