@@ -192,18 +192,22 @@ def count_attention_paths(monkeypatch: pytest.MonkeyPatch, profile: bool = True)
         yield counts
 
 
-def record_absorbed_rows(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """The query rows of each latent-attention call that attends over its compressed cache (`kernels/latent.py`),
-    recorded as the calls run."""
-    rows: list[int] = []
-    absorb = attention.absorbed_latent_sdpa
+def query_sizes(monkeypatch: pytest.MonkeyPatch, owner: Any, name: str, dim: int) -> list[int]:
+    """Spy on the kernel `owner.<name>(query, ...)`: each call's `query.shape[dim]`, recorded as the calls run."""
+    sizes: list[int] = []
+    kernel = getattr(owner, name)
 
     def recorded(query, *args, **kwargs):
-        rows.append(query.shape[2])
-        return absorb(query, *args, **kwargs)
+        sizes.append(query.shape[dim])
+        return kernel(query, *args, **kwargs)
 
-    monkeypatch.setattr(attention, "absorbed_latent_sdpa", recorded)
-    return rows
+    monkeypatch.setattr(owner, name, recorded)
+    return sizes
+
+
+def record_absorbed_rows(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The query rows of each latent-attention call that attends over its compressed cache (`kernels/latent.py`)."""
+    return query_sizes(monkeypatch, attention, "absorbed_latent_sdpa", 2)
 
 
 def once_per_session(tmp_path_factory, name: str, produce: Callable[[Path], Any]) -> Any:

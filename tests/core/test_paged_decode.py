@@ -14,7 +14,7 @@ from optimum.habana.kernels import cpu_decode
 from optimum.habana.kernels.cpu_decode import paged_decode_applies, paged_decode_sdpa
 from optimum.habana.transformers import attention, paged_attention
 from tests.core.test_continuous_batching import NEW_TOKENS, by_request, greedy_config
-from tests.helpers import SLIDING_WINDOW_CONFIGS, build_pair, count_attention_paths
+from tests.helpers import SLIDING_WINDOW_CONFIGS, build_pair, count_attention_paths, query_sizes
 
 
 needs_kernel = pytest.mark.skipif(
@@ -145,15 +145,7 @@ def engine_reads(monkeypatch) -> list[int]:
 
 def paged_rows(monkeypatch) -> list[int]:
     """The sequences each call of the paged kernel attended for."""
-    rows: list[int] = []
-    attend = paged_attention.paged_decode_sdpa
-
-    def counted(query, *args, **kwargs):
-        rows.append(query.shape[0])
-        return attend(query, *args, **kwargs)
-
-    monkeypatch.setattr(paged_attention, "paged_decode_sdpa", counted)
-    return rows
+    return query_sizes(monkeypatch, paged_attention, "paged_decode_sdpa", 0)
 
 
 @needs_kernel
