@@ -8,13 +8,15 @@
 
 For each batch x context, one prompt is prefilled once and every path decodes from a copy of its cache, with the
 cache its generate() builds by default (this library: `GrowingCache`; stock: `DynamicCache`): `--steps` greedy steps
-at the context and at 64 tokens, one of each in turn, `--rounds` rounds in alternating order, medians. The table gives each path's step,
-its ratio to stock (flag / stock sdpa, default / stock eager), its context cost (step at the context minus the step at
-64 tokens beside it; "below noise" where it is within the spread of the rounds) against the time to read the keys and values once at the read rate a batch-1 linear layer reaches in the
-same run (latent attention: also against its products' floor, the work of attending over the compressed cache at the
-rate its largest product reaches here), the bound (weights and cache read once), the memory its cache holds against what its tokens need, the
-most memory its steps needed above that, and whether its tokens equal the default path's. With `--continuous_batching`,
-rows for the same prompts served by transformers' continuous-batching engine over its paged cache
+at the context and at 64 tokens, one of each in turn, `--rounds` rounds in alternating order, medians. The table
+gives each path's step, its ratio to stock (flag / stock sdpa, default / stock eager), its context cost (step at the
+context minus the step at 64 tokens beside it; "below noise" where it is within the spread of the rounds) against
+the time to read the keys and values once at the read rate a batch-1 linear layer reaches in the same round (a read
+after each pair of steps; each round's cost over its own read, then the median), for latent attention also against
+its products' floor (the work of attending over the compressed cache at the rate its largest product reaches here),
+the bound (weights and cache read once), the memory its cache holds against what its tokens need, the most memory
+its steps needed above that, and whether its tokens equal the default path's. With `--continuous_batching`, rows for
+the same prompts served by transformers' continuous-batching engine over its paged cache
 (`optimum.habana.cli.benchmarks.paged_decode`). docs/benchmarks.md shows the measured tables.
 """
 
@@ -33,11 +35,11 @@ from optimum.habana.cli.benchmarks.long_context_decode import (
     REFERENCE,
     SETTLED_MMAP_THRESHOLD,
     STEP,
+    ReadProbe,
     absorbed_product_rate,
     absorbed_products_per_token,
     decode_paths,
     kv_bytes_per_token,
-    linear_read_rate,
     measure_shape,
     prefill,
     profiled_step,
@@ -139,7 +141,8 @@ def main(argv: list[str] | None = None, control_malloc: bool = False) -> int:
     config = paths[0].model.config
     per_token = kv_bytes_per_token(config, dtype)
     weights = model_size_bytes(paths[0].model)
-    read_rate = linear_read_rate(device, dtype)
+    probe = ReadProbe(device, dtype)
+    read_rate = probe.rate()
     print(
         f"{spec.label}, fp32, {torch.get_num_threads()} threads; read rate of a batch-1 linear layer: "
         f"{read_rate / 1e9:.1f} GB/s; weights {weights / MIB:.0f} MiB; keys and values {per_token:,} bytes a token; "
@@ -168,6 +171,8 @@ def main(argv: list[str] | None = None, control_malloc: bool = False) -> int:
                 arguments.rounds,
                 progress=functools.partial(say, f"{batch} x {context}:"),
                 control_malloc=control_malloc,
+                probe=probe,
+                kv_bytes=batch * context * per_token,
             )
             del kv
             if engines:
@@ -197,9 +202,16 @@ def main(argv: list[str] | None = None, control_malloc: bool = False) -> int:
                             if timing.context_cost_measured
                             else f"below noise ({timing.noise * 1e3:.1f})"
                         ),
-                        "KV read once [ms]": f"{kv_read * 1e3:.1f}",
+                        # each round's read where the path's rounds measured one (the engine's rows: the run's)
+                        "KV read once [ms]": f"{(timing.kv_read if timing.round_reads else kv_read) * 1e3:.1f}",
                         "cost / KV read": (
-                            f"{timing.context_cost / kv_read:.2f}" if timing.context_cost_measured else "-"
+                            (
+                                f"{timing.cost_per_read:.2f}"
+                                if timing.round_reads
+                                else f"{timing.context_cost / kv_read:.2f}"
+                            )
+                            if timing.context_cost_measured
+                            else "-"
                         ),
                         **(
                             {

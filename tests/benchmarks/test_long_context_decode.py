@@ -218,6 +218,47 @@ def test_each_rounds_context_cost_pairs_steps_taken_side_by_side(monkeypatch):
     ]  # a spread of 10 s, which the rounds' absolute steps would call noise
 
 
+def test_each_rounds_cost_is_divided_by_the_same_rounds_read(monkeypatch):
+    """The read the context cost is compared with is taken after each pair of steps, so that a machine whose memory
+    slows down (here: everything twice as slow from the second round on) moves the cost and its read alike: each
+    round's cost over its own read, where a read taken once before the rounds would double the ratio."""
+    from optimum.habana.cli.benchmarks import long_context_decode
+
+    calls = []
+
+    def slowdown() -> float:
+        return 2.0 if sum(call == "read" for call in calls) >= 2 else 1.0  # after the first round's two pairs
+
+    def step(path, cache, token):
+        calls.append(cache.length)
+        return (1.0 if cache.length > 64 else 0.25) * slowdown(), token
+
+    class Probe:
+        bytes = 1000
+
+        def read_seconds(self) -> float:
+            seconds = 0.05 * slowdown()
+            calls.append("read")
+            return seconds
+
+    monkeypatch.setattr(long_context_decode, "one_step", step)
+    monkeypatch.setattr(long_context_decode, "filled_cache", lambda path, kv, length, steps: FixedLength(length))
+    monkeypatch.setattr(long_context_decode, "cache_bytes", lambda cache: 0)
+    monkeypatch.setattr(long_context_decode, "step_peak_memory", lambda *args, **kwargs: 0)
+    path = long_context_decode.DecodePath("flag", torch.nn.Linear(1, 1), {}, growing_cache=False)
+    kv = [(torch.zeros(1, 1, 96, 1), torch.zeros(1, 1, 96, 1))]
+    timing = long_context_decode.measure_shape(
+        [path], kv, torch.zeros(1, 1, dtype=torch.long), 2, 3, probe=Probe(), kv_bytes=10_000
+    )["flag"]
+    assert calls == [96, 64, "read"] * 6  # a read after each pair
+    assert timing.round_costs == [0.75, 1.5, 1.5]
+    assert timing.round_reads == pytest.approx([0.5, 1.0, 1.0])  # the probe's 1000 bytes scaled to the cache's
+    assert timing.cost_per_read == pytest.approx(1.5) and timing.kv_read == pytest.approx(1.0)
+    assert timing.context_cost / timing.round_reads[0] == pytest.approx(3.0)  # against the first round's read alone
+    uneven = long_context_decode.PathTiming(round_costs=[2.0, 6.0, 4.0], round_reads=[1.0, 3.0, 1.0])
+    assert uneven.cost_per_read == pytest.approx(2.0)  # the median of the rounds' ratios, not of costs over reads
+
+
 class FixedLength:
     """A stand-in cache of `length` tokens, for the fake clock."""
 

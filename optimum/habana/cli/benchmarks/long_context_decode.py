@@ -7,7 +7,8 @@ round times every path's decode steps at the long context and at `BASE_CONTEXT` 
 same cache), one step of each in turn; rounds alternate the paths' order, and the table takes the median over rounds
 of each round's median step. What a step gains with the context (the median over a round's pairs of step at L minus
 step at BASE_CONTEXT, then the median over rounds) is compared with the time it takes to read the keys and values
-once at the read rate a batch-1 linear layer reaches in the same run.
+once at the read rate a batch-1 linear layer reaches: measured after each pair of steps (`ReadProbe`), so that each
+round's cost is divided by the same round's read, on a machine whose memory is shared with other jobs.
 """
 
 import contextlib
@@ -64,6 +65,8 @@ class PathTiming:
     long_steps: list[float] = field(default_factory=list)
     base_steps: list[float] = field(default_factory=list)
     round_costs: list[float] = field(default_factory=list)
+    # each round's time to read the keys and values once, at the rate `ReadProbe` measured between its pairs
+    round_reads: list[float] = field(default_factory=list)
     tokens: torch.Tensor | None = None  # the greedy tokens of its steps at the long context (first round)
     cache_bytes: int = 0  # what its cache holds at the long context after the steps
     step_peak_bytes: int = 0  # the most memory above the start that its steps at the long context needed at once
@@ -86,6 +89,45 @@ class PathTiming:
     @property
     def context_cost_measured(self) -> bool:
         return self.context_cost > self.noise
+
+    @property
+    def kv_read(self) -> float:
+        return statistics.median(self.round_reads)
+
+    @property
+    def cost_per_read(self) -> float:
+        """The median over rounds of each round's context cost over the same round's read: a machine whose memory
+        slows down between rounds moves both."""
+        return statistics.median(cost / read for cost, read in zip(self.round_costs, self.round_reads, strict=True))
+
+
+class ReadProbe:
+    """A batch-1 linear layer whose weight is far larger than the caches: it reads at the rate a decode step's weights
+    and, at best, its keys and values are read at. Kept for the run, so that a read can be timed between any two
+    steps."""
+
+    def __init__(self, device: torch.device, dtype: torch.dtype, mib: int = 256) -> None:
+        columns = 4096
+        rows = mib * MIB // (columns * torch.empty((), dtype=dtype).element_size())
+        self.weight = torch.randn(rows, columns, dtype=dtype).to(device)
+        self.vector = torch.randn(1, columns, dtype=dtype, device=device)
+        self.device = device
+        self.bytes = self.weight.numel() * self.weight.element_size()
+
+    def read(self) -> torch.Tensor:
+        return self.vector @ self.weight.T
+
+    def read_seconds(self) -> float:
+        """One read of the weight, timed."""
+        synchronize(self.device)
+        start = time.perf_counter()
+        self.read()
+        synchronize(self.device)
+        return time.perf_counter() - start
+
+    def rate(self, repeats: int = 9) -> float:
+        """Bytes per second: the median of `repeats` reads."""
+        return self.bytes / median_seconds(self.read, self.device, repeats)
 
 
 def decode_paths(
@@ -223,11 +265,17 @@ def timed_steps(
 
 @torch.no_grad()
 def paired_steps(
-    path: DecodePath, cache: Cache, base_cache: Cache, first_token: torch.Tensor, steps: int
-) -> tuple[list[float], list[float], torch.Tensor]:
+    path: DecodePath,
+    cache: Cache,
+    base_cache: Cache,
+    first_token: torch.Tensor,
+    steps: int,
+    between: Callable[[], float] | None = None,
+) -> tuple[list[float], list[float], torch.Tensor, list[float]]:
     """`steps` greedy decode steps over each cache, alternating one over `cache` and one over `base_cache`: the
-    seconds of each, and the tokens over `cache`. Side by side, the two steps of a pair see the same machine."""
-    token, base_token, tokens, seconds, base_seconds = first_token, first_token, [], [], []
+    seconds of each, the tokens over `cache`, and what `between` (called after each pair) returned. Side by side,
+    the two steps of a pair see the same machine."""
+    token, base_token, tokens, seconds, base_seconds, measured = first_token, first_token, [], [], [], []
     with path_settings(path):
         for _ in range(steps):
             elapsed, token = one_step(path, cache, token)
@@ -235,7 +283,9 @@ def paired_steps(
             tokens.append(token)
             elapsed, base_token = one_step(path, base_cache, base_token)
             base_seconds.append(elapsed)
-    return seconds, base_seconds, torch.cat(tokens, dim=-1)
+            if between is not None:
+                measured.append(between())
+    return seconds, base_seconds, torch.cat(tokens, dim=-1), measured
 
 
 @contextlib.contextmanager
@@ -270,18 +320,24 @@ def measure_shape(
     rounds: int,
     progress: Callable[[str], None] = lambda line: None,
     control_malloc: bool = False,
+    probe: ReadProbe | None = None,
+    kv_bytes: int = 0,
 ) -> dict[str, PathTiming]:
     """Every path's steps at the prefilled length and at BASE_CONTEXT, one of each in turn (`paired_steps`), `rounds`
-    times, the paths in alternating order; then, untimed, the memory its steps at the prefilled length need
-    (`step_peak_memory`)."""
+    times, the paths in alternating order, with `probe`'s read after each pair (each round's time to read the
+    `kv_bytes` of keys and values once: its reads' median); then, untimed, the memory its steps at the prefilled
+    length need (`step_peak_memory`)."""
     context = kv[0][0].shape[2]
+    between = None if probe is None else probe.read_seconds
     timings = {path.name: PathTiming() for path in paths}
     for round_index in range(rounds):
         for path in paths if round_index % 2 == 0 else paths[::-1]:
             progress(f"round {round_index + 1}/{rounds}: {path.name}")
             timing = timings[path.name]
             cache, base_cache = filled_cache(path, kv, context, steps), filled_cache(path, kv, BASE_CONTEXT, steps)
-            seconds, base_seconds, tokens = paired_steps(path, cache, base_cache, first_token, steps)
+            seconds, base_seconds, tokens, reads = paired_steps(path, cache, base_cache, first_token, steps, between)
+            if reads:
+                timing.round_reads.append(statistics.median(reads) * kv_bytes / probe.bytes)
             timing.long_steps.append(statistics.median(seconds))
             timing.base_steps.append(statistics.median(base_seconds))
             timing.round_costs.append(statistics.median(a - b for a, b in zip(seconds, base_seconds, strict=True)))
@@ -343,13 +399,8 @@ def _profiled_as(name: str, function: Callable) -> Callable:
 
 
 def linear_read_rate(device: torch.device, dtype: torch.dtype, mib: int = 256, repeats: int = 9) -> float:
-    """Bytes per second a batch-1 linear layer reads its weight at (a weight far larger than the caches): the rate
-    a decode step's weights and, at best, its keys and values are read at."""
-    columns = 4096
-    weight = torch.randn(mib * MIB // (columns * torch.empty((), dtype=dtype).element_size()), columns, dtype=dtype)
-    weight = weight.to(device)
-    vector = torch.randn(1, columns, dtype=dtype, device=device)
-    return weight.numel() * weight.element_size() / median_seconds(lambda: vector @ weight.T, device, repeats)
+    """Bytes per second a batch-1 linear layer reads its weight at (`ReadProbe`)."""
+    return ReadProbe(device, dtype, mib).rate(repeats)
 
 
 # glibc's mallopt parameters, and the values its moving mmap threshold settles at (64-bit): large blocks reused.
@@ -391,6 +442,7 @@ __all__ = [
     "STEP",
     "DecodePath",
     "PathTiming",
+    "ReadProbe",
     "cache_bytes",
     "decode_paths",
     "absorbed_product_rate",
