@@ -9,6 +9,7 @@ import inspect
 import weakref
 
 import pytest
+import torch
 import transformers
 from torch import nn
 
@@ -281,3 +282,68 @@ def test_the_syntax_of_files_and_classes_read_long_ago_is_released():
         source_facts.class_node(cls)
     gc.collect()
     assert tree() is None and node() is None
+
+
+@pytest.mark.parametrize(
+    ("model_type", "reason"),
+    [
+        ("bart", "the decoder of an encoder-decoder model: BartDecoderLayer has cross-attention (self.encoder_attn "),
+        ("whisper", "the decoder of an encoder-decoder model: WhisperDecoderLayer has cross-attention"),
+        ("mvp", "MvpAttention computes attention itself"),  # its own scores, whatever the config says
+    ],
+)
+def test_an_encoder_decoder_model_types_decoder_is_refused_for_what_its_code_does(model_type, reason):
+    """Not for the config's `is_encoder_decoder`: the decoder's own layers decide (MusicGen Melody's has no
+    cross-attention, and is read on like any decoder, below)."""
+    assert family_report(model_type).reason.startswith(reason)
+
+
+class DropsGenerationKwargs(transformers.LlamaForCausalLM):
+    def prepare_inputs_for_generation(self, input_ids, past_key_values=None, **kwargs):
+        return {"input_ids": input_ids[:, -1:], "past_key_values": past_key_values}
+
+
+class HandsGenerationKwargsOn(transformers.LlamaForCausalLM):
+    def prepare_inputs_for_generation(self, input_ids, **kwargs):
+        return super().prepare_inputs_for_generation(input_ids, **kwargs)
+
+
+class NamesEveryInput(transformers.LlamaForCausalLM):
+    def prepare_inputs_for_generation(self, input_ids, past_key_values=None, **model_kwargs):
+        return {"input_ids": input_ids, "past_key_values": past_key_values, **model_kwargs}
+
+
+def test_a_prepare_inputs_for_generation_that_names_its_inputs_only_is_read_as_dropping_the_flags():
+    assert source_facts.drops_generation_kwargs(DropsGenerationKwargs) == ("DropsGenerationKwargs", "kwargs")
+    assert source_facts.drops_generation_kwargs(HandsGenerationKwargsOn) is None
+    assert source_facts.drops_generation_kwargs(NamesEveryInput) is None
+    assert source_facts.drops_generation_kwargs(transformers.LlamaForCausalLM) is None  # GenerationMixin's own
+    report = family_report("musicgen_melody")
+    assert not report.qualifies and report.reason == (
+        "MusicgenMelodyForCausalLM.prepare_inputs_for_generation hands each step only the inputs it names (its "
+        "**kwargs go nowhere), so the flags given to generate() cannot reach the attention"
+    )
+
+
+def test_the_flags_do_not_reach_musicgen_melodys_steps_through_generate(monkeypatch):
+    """What the refusal above reads, run: the mixin put in front of MusicGen Melody's decoder by hand (whose forward
+    takes no `logits_to_keep`, which the mixin's forward hands on only to a forward that takes it), the flag given to
+    forward takes the fused path with stock's logits, and given to generate() none of its steps does."""
+    from optimum.habana.transformers.modeling_utils import GaudiAttentionMixin
+    from tests.families.tiny_configs import tiny_family_config
+    from tests.helpers import count_attention_paths
+
+    stock = transformers.MusicgenMelodyForCausalLM
+    by_hand = type("ByHandMusicgenMelody", (GaudiAttentionMixin, stock), {})
+    sizes = {"num_codebooks": 1, "decoder_start_token_id": 1}  # one codebook: a row of input ids is a sequence
+    model = by_hand(tiny_family_config("musicgen_melody", stock.config_class, **sizes)).eval()
+    reference = stock(tiny_family_config("musicgen_melody", stock.config_class, attn_implementation="eager", **sizes))
+    reference.load_state_dict(model.state_dict())
+    ids = torch.arange(3, 21).view(2, 9)
+    with count_attention_paths(monkeypatch, profile=False) as counts, torch.no_grad():
+        logits = model(input_ids=ids, use_flash_attention=True).logits
+    assert counts["fused"] > 0
+    assert (logits - reference.eval()(input_ids=ids).logits).abs().max() <= 1e-5
+    with count_attention_paths(monkeypatch, profile=False) as counts:
+        model.generate(input_ids=ids, max_new_tokens=3, do_sample=False, use_flash_attention=True)
+    assert counts["fused"] == 0 and counts["default"] > 0

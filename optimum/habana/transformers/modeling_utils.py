@@ -16,6 +16,7 @@ the model transformers' own (same layers, weights, loading and saving, attention
 
 import copy
 import functools
+import inspect
 from typing import Any
 
 import torch
@@ -266,6 +267,10 @@ class GaudiAttentionMixin(GaudiGenerationMixin):
             defaults = attention_flags_of(self.generation_config)
         # All five, resolved here: the decoder's pre-hook (`decoder_inputs`) then acts on them.
         flags = resolve_attention_flags(pop_attention_flags(kwargs), defaults).as_dict()
+        if _takes_logits_to_keep(type(self)):
+            kwargs["logits_to_keep"] = logits_to_keep
+        # else the stock forward computes every position's logits whatever is asked, and would hand the argument on to
+        # its layers' keyword arguments (MusicGen Melody's), which the Gaudi attention refuses as unknown
         return super().forward(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -274,10 +279,14 @@ class GaudiAttentionMixin(GaudiGenerationMixin):
             inputs_embeds=inputs_embeds,
             labels=labels,
             use_cache=use_cache,
-            logits_to_keep=logits_to_keep,
             **flags,
             **kwargs,
         )
+
+
+@functools.cache
+def _takes_logits_to_keep(gaudi_class: type) -> bool:
+    return "logits_to_keep" in inspect.signature(_stock_class(gaudi_class).forward).parameters
 
 
 def _stock_class(gaudi_class: type) -> type[PreTrainedModel]:

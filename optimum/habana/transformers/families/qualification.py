@@ -39,6 +39,7 @@ from .source_facts import (
     call_keywords,
     computes_attention_itself,
     decoder_path,
+    drops_generation_kwargs,
     init_names,
     interface_calls,
     interface_lookup_names_of,
@@ -190,13 +191,17 @@ def _judge(model_type: str, stock: type) -> FamilyReport:
     multimodal = _multimodal_reason(model_type, stock)
     if multimodal:
         return refuse(multimodal)
-    if _is_encoder_decoder(model_type):
-        return refuse("an encoder-decoder model: the Gaudi attention serves decoder-only language models")
-    if model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES:
+    # An encoder-decoder model type's causal LM is its decoder: refused where its layers attend to the encoder's
+    # states, judged like any decoder where they do not (MusicGen Melody's decoder takes its conditioning as a prefix).
+    encoder_decoder = _is_encoder_decoder(model_type)
+    if model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES and not encoder_decoder:
         return refuse("an encoder (masked-LM) model with a language-model head: the Gaudi attention serves decoders")
     edges = _module_graph(stock)
     classes = {child for children in edges.values() for _, child in children} | {stock}
     attention = {cls for cls in classes if interface_calls(cls)}
+    cross = _cross_attention(edges, attention)
+    if encoder_decoder and cross:
+        return refuse(f"the decoder of an encoder-decoder model: {_cross_attention_reason(*cross)}")
     bypassing = sorted(cls.__name__ for cls in classes - attention if computes_attention_itself(cls))
     if bypassing:
         return refuse(
@@ -207,6 +212,13 @@ def _judge(model_type: str, stock: type) -> FamilyReport:
     if any(reads_config(cls, "is_decoder") for cls in classes):
         return refuse(
             "an encoder model that runs as a decoder only with is_decoder=True: the Gaudi attention serves decoders"
+        )
+    dropped = drops_generation_kwargs(stock)
+    if dropped:
+        owner, rest = dropped
+        return refuse(
+            f"{owner}.prepare_inputs_for_generation hands each step only the inputs it names (its **{rest} go "
+            "nowhere), so the flags given to generate() cannot reach the attention"
         )
     names = tuple(sorted(cls.__name__ for cls in attention))
     for cls in sorted(attention, key=lambda cls: cls.__name__):
@@ -294,6 +306,22 @@ def _attention_call_reason(cls: type) -> str:
     return ""
 
 
+def _cross_attention(edges: dict[type, list[tuple[str, type]]], attention: set[type]) -> tuple[type, str] | None:
+    """The first (module class, attribute) whose attention module it calls with another model's states."""
+    for parent, children in edges.items():
+        for attribute in sorted({attribute for attribute, child in children if child in attention}):
+            if call_keywords(parent, attribute) & CROSS_ATTENTION_INPUTS:
+                return parent, attribute
+    return None
+
+
+def _cross_attention_reason(parent: type, attribute: str) -> str:
+    return (
+        f"{parent.__name__} has cross-attention (self.{attribute} attends to another model's states), which the "
+        "Gaudi attention does not serve"
+    )
+
+
 def _keyword_path_reason(stock: type, edges: dict[type, list[tuple[str, type]]], attention: set[type]) -> str:
     """Every module on the way from the causal LM to an attention module must hand the call's keywords on."""
     holds_attention = set(attention)
@@ -308,10 +336,7 @@ def _keyword_path_reason(stock: type, edges: dict[type, list[tuple[str, type]]],
         for attribute in sorted({attribute for attribute, child in children if child in holds_attention}):
             attends = any(child in attention for name, child in children if name == attribute)
             if attends and call_keywords(parent, attribute) & CROSS_ATTENTION_INPUTS:
-                return (
-                    f"{parent.__name__} has cross-attention (self.{attribute} attends to another model's states), "
-                    "which the Gaudi attention does not serve"
-                )
+                return _cross_attention_reason(parent, attribute)
             reaching = frozenset(child for name, child in children if name == attribute and child in holds_attention)
             passes = forwards_kwargs_to(parent, attribute, reaching)
             if passes is False:

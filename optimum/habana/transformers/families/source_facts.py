@@ -264,6 +264,24 @@ def computes_attention_itself(cls: type) -> bool:
 
 
 @functools.cache
+def drops_generation_kwargs(cls: type) -> tuple[str, str] | None:
+    """(the class, its `**` parameter) where the `prepare_inputs_for_generation` that `cls` runs hands each step only
+    the inputs it names: it neither uses its `**` parameter nor calls the method it overrides, so what generate()
+    adds to the model's keyword arguments (the attention flags) never reaches forward. None otherwise."""
+    located = method(cls, "prepare_inputs_for_generation")
+    if located is None:
+        return None
+    owner, function = located
+    rest = function.args.kwarg
+    if rest is None:  # a keyword it does not name raises TypeError there: nothing is dropped in silence
+        return None
+    names = {node.id for node in ast.walk(function) if isinstance(node, ast.Name)}
+    if rest.arg in names or "super" in names:
+        return None
+    return owner.__name__, rest.arg
+
+
+@functools.cache
 def forward_parameters(cls: type) -> set[str]:
     located = method(cls, "forward")
     if located is None:
@@ -441,6 +459,7 @@ __all__ = [
     "computes_attention_itself",
     "forward_parameters",
     "decoder_path",
+    "drops_generation_kwargs",
     "init_names",
     "interface_calls",
     "interface_lookup_names_of",
