@@ -238,3 +238,39 @@ def test_non_boolean_flag_is_an_error(model, inputs, value):
         generate(model, inputs, use_flash_attention=value)
     with pytest.raises(ValueError, match=r"`flash_attention_recompute` must be True or False"):
         resolve_attention_flags({"flash_attention_recompute": value})
+
+
+class NamesItsInputsOnly(GaudiLlamaForCausalLM):
+    """A user's subclass whose step inputs are the ones it names: generate()'s other keyword arguments stop here."""
+
+    def prepare_inputs_for_generation(self, input_ids, past_key_values=None, attention_mask=None, **kwargs):
+        if past_key_values is not None and past_key_values.get_seq_length() > 0:
+            input_ids = input_ids[:, -1:]
+        return {"input_ids": input_ids, "past_key_values": past_key_values, "attention_mask": attention_mask}
+
+
+class HandsItsKwargsOn(GaudiLlamaForCausalLM):
+    def prepare_inputs_for_generation(self, input_ids, **kwargs):
+        return super().prepare_inputs_for_generation(input_ids, **kwargs)
+
+
+def test_flags_a_subclass_would_drop_on_the_way_to_forward_are_an_error_not_a_no_op(model, inputs, monkeypatch):
+    """Its steps would run on the model's own flags (off) while the call asked for the fused path: refused before
+    anything is generated. Flags that equal the model's own arrive either way; a subclass that hands its keywords
+    on gets the call's."""
+    dropping = NamesItsInputsOnly(tiny_llama_config(num_hidden_layers=LAYERS)).eval()
+    dropping.load_state_dict(model.state_dict())
+    with pytest.raises(
+        ValueError, match=r"NamesItsInputsOnly\.prepare_inputs_for_generation hands each step only"
+    ) as error:
+        dropping.generate(**inputs, max_new_tokens=NEW_TOKENS, use_flash_attention=True)
+    assert "use_flash_attention=True" in str(error.value) and "model.generation_config" in str(error.value)
+    dropping.generation_config.use_flash_attention = True  # the model's own: what its forward runs on anyway
+    with count_attention_paths(monkeypatch) as counts:
+        dropping.generate(**inputs, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, use_flash_attention=True)
+    assert counts["fused"] == ATTENTION_CALLS and counts["default"] == 0
+    handing = HandsItsKwargsOn(tiny_llama_config(num_hidden_layers=LAYERS)).eval()
+    handing.load_state_dict(model.state_dict())
+    with count_attention_paths(monkeypatch) as counts:
+        handing.generate(**inputs, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, use_flash_attention=True)
+    assert counts["fused"] == ATTENTION_CALLS and counts["default"] == 0

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from torch import nn
+from transformers import GenerationMixin
 
 
 # Calls that compute attention scores when a class does it itself instead of through the interface.
@@ -268,6 +269,9 @@ def drops_generation_kwargs(cls: type) -> tuple[str, str] | None:
     """(the class, its `**` parameter) where the `prepare_inputs_for_generation` that `cls` runs hands each step only
     the inputs it names: it neither uses its `**` parameter nor calls the method it overrides, so what generate()
     adds to the model's keyword arguments (the attention flags) never reaches forward. None otherwise."""
+    owner = next((owner for owner in cls.__mro__ if "prepare_inputs_for_generation" in vars(owner)), None)
+    if owner is None or owner is GenerationMixin:  # transformers' own hands every keyword on: its file is not read
+        return None
     located = method(cls, "prepare_inputs_for_generation")
     if located is None:
         return None

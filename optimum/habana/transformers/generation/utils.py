@@ -9,12 +9,35 @@ from transformers import DynamicCache, GenerationConfig, StaticCache, StoppingCr
 from ...kernels.dispatch import needs_static_shapes
 from ..attention_flags import ATTENTION_FLAG_NAMES, attention_flags_of, resolve_attention_flags
 from ..cache import BucketedStaticCache
+from ..families.source_facts import drops_generation_kwargs
 from ..growing_cache import GrowingCache
 from .stop_strings import TailStopStringCriteria
 
 
 # Tokens per bucket of a static cache whose shapes must stay static (compiled decode steps, Gaudi): one graph each.
 STATIC_SHAPES_BUCKET = 256
+
+
+def _check_flags_reach_forward(
+    model_class: type, flags: dict[str, bool], model_defaults: dict[str, bool | None]
+) -> None:
+    """The flags reach each step's forward in its keyword arguments, through the model's
+    `prepare_inputs_for_generation`. One that hands on only the inputs it names (a subclass's own, say) drops them,
+    and forward then runs on `model.generation_config`'s flags: where those differ from the call's, the call's
+    would silently do nothing, so it is an error before anything is generated."""
+    if flags == resolve_attention_flags(model_defaults).as_dict():
+        return
+    dropped = drops_generation_kwargs(model_class)
+    if dropped is None:
+        return
+    owner, rest = dropped
+    asked = ", ".join(f"{name}={value}" for name, value in flags.items() if value)
+    raise ValueError(
+        f"{owner}.prepare_inputs_for_generation hands each step only the inputs it names (its **{rest} go nowhere), "
+        f"so the attention flags given to generate() ({asked or 'all off'}) would not reach the model's forward, which "
+        "would run on model.generation_config's instead. Return its **kwargs with the inputs (or call super()), or "
+        "set the flags on model.generation_config."
+    )
 
 
 class GaudiGenerationMixin:
@@ -37,6 +60,7 @@ class GaudiGenerationMixin:
             generation_config = copy.deepcopy(generation_config)
             for name, value in flags.items():
                 setattr(generation_config, name, value)
+        _check_flags_reach_forward(type(self), flags, attention_flags_of(self.generation_config))
         generation_config, model_kwargs = super()._prepare_generation_config(generation_config, **kwargs)
         for name, value in flags.items():
             setattr(generation_config, name, value)
