@@ -193,7 +193,6 @@ def test_each_rounds_context_cost_pairs_steps_taken_side_by_side(monkeypatch):
     """A machine that slows down between rounds moves both steps of a pair: the context cost stays the pairs'
     difference. Timed by a fake clock: 1 s a step at the context, 0.25 s at 64 tokens, 10 s more from the second
     round on (two steps of each per round)."""
-    from optimum.habana.cli.benchmarks import long_context_decode
 
     calls = []
 
@@ -202,13 +201,7 @@ def test_each_rounds_context_cost_pairs_steps_taken_side_by_side(monkeypatch):
         slower = 10.0 if len(calls) > 4 else 0.0  # the second round's steps and after
         return (1.0 if cache.length > 64 else 0.25) + slower, token
 
-    monkeypatch.setattr(long_context_decode, "one_step", step)
-    monkeypatch.setattr(long_context_decode, "filled_cache", lambda path, kv, length, steps: FixedLength(length))
-    monkeypatch.setattr(long_context_decode, "cache_bytes", lambda cache: 0)
-    monkeypatch.setattr(long_context_decode, "step_peak_memory", lambda *args, **kwargs: 0)
-    path = long_context_decode.DecodePath("flag", torch.nn.Linear(1, 1), {}, growing_cache=False)
-    kv = [(torch.zeros(1, 1, 96, 1), torch.zeros(1, 1, 96, 1))]
-    timing = long_context_decode.measure_shape([path], kv, torch.zeros(1, 1, dtype=torch.long), 2, 3)["flag"]
+    timing = measured_on_a_fake_clock(monkeypatch, step)
     assert calls == [96, 64] * 6  # in turn
     assert timing.round_costs == [0.75, 0.75, 0.75] and timing.context_cost_measured
     assert timing.long_steps == [
@@ -241,15 +234,7 @@ def test_each_rounds_cost_is_divided_by_the_same_rounds_read(monkeypatch):
             calls.append("read")
             return seconds
 
-    monkeypatch.setattr(long_context_decode, "one_step", step)
-    monkeypatch.setattr(long_context_decode, "filled_cache", lambda path, kv, length, steps: FixedLength(length))
-    monkeypatch.setattr(long_context_decode, "cache_bytes", lambda cache: 0)
-    monkeypatch.setattr(long_context_decode, "step_peak_memory", lambda *args, **kwargs: 0)
-    path = long_context_decode.DecodePath("flag", torch.nn.Linear(1, 1), {}, growing_cache=False)
-    kv = [(torch.zeros(1, 1, 96, 1), torch.zeros(1, 1, 96, 1))]
-    timing = long_context_decode.measure_shape(
-        [path], kv, torch.zeros(1, 1, dtype=torch.long), 2, 3, probe=Probe(), kv_bytes=10_000
-    )["flag"]
+    timing = measured_on_a_fake_clock(monkeypatch, step, probe=Probe(), kv_bytes=10_000)
     assert calls == [96, 64, "read"] * 6  # a read after each pair
     assert timing.round_costs == [0.75, 1.5, 1.5]
     assert timing.round_reads == pytest.approx([0.5, 1.0, 1.0])  # the probe's 1000 bytes scaled to the cache's
@@ -257,6 +242,21 @@ def test_each_rounds_cost_is_divided_by_the_same_rounds_read(monkeypatch):
     assert timing.context_cost / timing.round_reads[0] == pytest.approx(3.0)  # against the first round's read alone
     uneven = long_context_decode.PathTiming(round_costs=[2.0, 6.0, 4.0], round_reads=[1.0, 3.0, 1.0])
     assert uneven.cost_per_read == pytest.approx(2.0)  # the median of the rounds' ratios, not of costs over reads
+
+
+def measured_on_a_fake_clock(monkeypatch, step, **measure_kwargs):
+    """`measure_shape`'s timing of one path over a 96-token cache, 3 rounds of 2 steps at each context, with `step`
+    (the path, a stand-in cache of `FixedLength`, the token) as its decode step: no model runs."""
+    from optimum.habana.cli.benchmarks import long_context_decode
+
+    monkeypatch.setattr(long_context_decode, "one_step", step)
+    monkeypatch.setattr(long_context_decode, "filled_cache", lambda path, kv, length, steps: FixedLength(length))
+    monkeypatch.setattr(long_context_decode, "cache_bytes", lambda cache: 0)
+    monkeypatch.setattr(long_context_decode, "step_peak_memory", lambda *args, **kwargs: 0)
+    path = long_context_decode.DecodePath("flag", torch.nn.Linear(1, 1), {}, growing_cache=False)
+    kv = [(torch.zeros(1, 1, 96, 1), torch.zeros(1, 1, 96, 1))]
+    first_token = torch.zeros(1, 1, dtype=torch.long)
+    return long_context_decode.measure_shape([path], kv, first_token, 2, 3, **measure_kwargs)["flag"]
 
 
 class FixedLength:
