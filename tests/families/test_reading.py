@@ -314,7 +314,10 @@ class NamesEveryInput(transformers.LlamaForCausalLM):
 
 
 def test_a_prepare_inputs_for_generation_that_names_its_inputs_only_is_read_as_dropping_the_flags():
-    assert source_facts.drops_generation_kwargs(DropsGenerationKwargs) == ("DropsGenerationKwargs", "kwargs")
+    assert source_facts.drops_generation_kwargs(DropsGenerationKwargs) == (
+        "DropsGenerationKwargs.prepare_inputs_for_generation hands each step only the inputs it names (its **kwargs "
+        "go nowhere)"
+    )
     assert source_facts.drops_generation_kwargs(HandsGenerationKwargsOn) is None
     assert source_facts.drops_generation_kwargs(NamesEveryInput) is None
     assert source_facts.drops_generation_kwargs(transformers.LlamaForCausalLM) is None  # GenerationMixin's own

@@ -199,8 +199,8 @@ def _judge(model_type: str, stock: type) -> FamilyReport:
     edges = _module_graph(stock)
     classes = {child for children in edges.values() for _, child in children} | {stock}
     attention = {cls for cls in classes if interface_calls(cls)}
-    cross = _cross_attention(edges, attention)
-    if encoder_decoder and cross:
+    cross = _cross_attention(edges, attention) if encoder_decoder else None
+    if cross:
         return refuse(f"the decoder of an encoder-decoder model: {_cross_attention_reason(*cross)}")
     bypassing = sorted(cls.__name__ for cls in classes - attention if computes_attention_itself(cls))
     if bypassing:
@@ -215,11 +215,7 @@ def _judge(model_type: str, stock: type) -> FamilyReport:
         )
     dropped = drops_generation_kwargs(stock)
     if dropped:
-        owner, rest = dropped
-        return refuse(
-            f"{owner}.prepare_inputs_for_generation hands each step only the inputs it names (its **{rest} go "
-            "nowhere), so the flags given to generate() cannot reach the attention"
-        )
+        return refuse(f"{dropped}, so the flags given to generate() cannot reach the attention")
     names = tuple(sorted(cls.__name__ for cls in attention))
     for cls in sorted(attention, key=lambda cls: cls.__name__):
         reason = _attention_call_reason(cls)

@@ -265,10 +265,10 @@ def computes_attention_itself(cls: type) -> bool:
 
 
 @functools.cache
-def drops_generation_kwargs(cls: type) -> tuple[str, str] | None:
-    """(the class, its `**` parameter) where the `prepare_inputs_for_generation` that `cls` runs hands each step only
-    the inputs it names: it neither uses its `**` parameter nor calls the method it overrides, so what generate()
-    adds to the model's keyword arguments (the attention flags) never reaches forward. None otherwise."""
+def drops_generation_kwargs(cls: type) -> str | None:
+    """Where the `prepare_inputs_for_generation` that `cls` runs hands each step only the inputs it names (it neither
+    uses its `**` parameter nor calls the method it overrides, so what generate() adds to the model's keyword
+    arguments, the attention flags, never reaches forward): that, said in words naming the class. None otherwise."""
     owner = next((owner for owner in cls.__mro__ if "prepare_inputs_for_generation" in vars(owner)), None)
     if owner is None or owner is GenerationMixin:  # transformers' own hands every keyword on: its file is not read
         return None
@@ -282,7 +282,10 @@ def drops_generation_kwargs(cls: type) -> tuple[str, str] | None:
     names = {node.id for node in ast.walk(function) if isinstance(node, ast.Name)}
     if rest.arg in names or "super" in names:
         return None
-    return owner.__name__, rest.arg
+    return (
+        f"{owner.__name__}.prepare_inputs_for_generation hands each step only the inputs it names (its "
+        f"**{rest.arg} go nowhere)"
+    )
 
 
 @functools.cache

@@ -30,13 +30,11 @@ def _check_flags_reach_forward(
     dropped = drops_generation_kwargs(model_class)
     if dropped is None:
         return
-    owner, rest = dropped
     asked = ", ".join(f"{name}={value}" for name, value in flags.items() if value)
     raise ValueError(
-        f"{owner}.prepare_inputs_for_generation hands each step only the inputs it names (its **{rest} go nowhere), "
-        f"so the attention flags given to generate() ({asked or 'all off'}) would not reach the model's forward, which "
-        "would run on model.generation_config's instead. Return its **kwargs with the inputs (or call super()), or "
-        "set the flags on model.generation_config."
+        f"{dropped}, so the attention flags given to generate() ({asked or 'all off'}) would not reach the model's "
+        "forward, which would run on model.generation_config's instead. Return its **kwargs with the inputs (or call "
+        "super()), or set the flags on model.generation_config."
     )
 
 
