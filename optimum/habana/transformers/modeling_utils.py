@@ -74,6 +74,8 @@ class GaudiAttentionMixin(GaudiGenerationMixin):
         """Each Gaudi class's forward declares the stock class's return type (MoE families return router logits)."""
         super().__init_subclass__(**kwargs)
         stock_return = _stock_class(cls).forward.__annotations__.get("return")
+        # Decided once per class, a constant to a compiled forward: MusicGen Melody's decoder takes no logits_to_keep.
+        cls._stock_takes_logits_to_keep = "logits_to_keep" in inspect.signature(_stock_class(cls).forward).parameters
 
         @functools.wraps(GaudiAttentionMixin.forward)
         def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -267,7 +269,7 @@ class GaudiAttentionMixin(GaudiGenerationMixin):
             defaults = attention_flags_of(self.generation_config)
         # All five, resolved here: the decoder's pre-hook (`decoder_inputs`) then acts on them.
         flags = resolve_attention_flags(pop_attention_flags(kwargs), defaults).as_dict()
-        if _takes_logits_to_keep(type(self)):
+        if self._stock_takes_logits_to_keep:
             kwargs["logits_to_keep"] = logits_to_keep
         # else the stock forward computes every position's logits whatever is asked, and would hand the argument on to
         # its layers' keyword arguments (MusicGen Melody's), which the Gaudi attention refuses as unknown
@@ -282,11 +284,6 @@ class GaudiAttentionMixin(GaudiGenerationMixin):
             **flags,
             **kwargs,
         )
-
-
-@functools.cache
-def _takes_logits_to_keep(gaudi_class: type) -> bool:
-    return "logits_to_keep" in inspect.signature(_stock_class(gaudi_class).forward).parameters
 
 
 def _stock_class(gaudi_class: type) -> type[PreTrainedModel]:
