@@ -250,14 +250,18 @@ class NamesItsInputsOnly(GaudiLlamaForCausalLM):
 
 
 class HandsItsKwargsOn(GaudiLlamaForCausalLM):
+    """A user's override that hands every keyword on: generate()'s own bookkeeping (`is_first_iteration`,
+    `next_sequence_length`) reaches forward with the flags, as stock's attention functions ignore it."""
+
     def prepare_inputs_for_generation(self, input_ids, **kwargs):
-        return super().prepare_inputs_for_generation(input_ids, **kwargs)
+        inputs = super().prepare_inputs_for_generation(input_ids, **kwargs)
+        return {**kwargs, **inputs}  # what the method prepared, and every keyword it did not
 
 
 def test_flags_a_subclass_would_drop_on_the_way_to_forward_are_an_error_not_a_no_op(model, inputs, monkeypatch):
     """Its steps would run on the model's own flags (off) while the call asked for the fused path: refused before
     anything is generated. Flags that equal the model's own arrive either way; a subclass that hands its keywords
-    on gets the call's."""
+    on gets the call's, and the Gaudi class's logits at every step."""
     dropping = NamesItsInputsOnly(tiny_llama_config(num_hidden_layers=LAYERS)).eval()
     dropping.load_state_dict(model.state_dict())
     with pytest.raises(
@@ -271,6 +275,11 @@ def test_flags_a_subclass_would_drop_on_the_way_to_forward_are_an_error_not_a_no
     assert counts["fused"] == ATTENTION_CALLS and counts["default"] == 0
     handing = HandsItsKwargsOn(tiny_llama_config(num_hidden_layers=LAYERS)).eval()
     handing.load_state_dict(model.state_dict())
+    steps = {"max_new_tokens": NEW_TOKENS, "min_new_tokens": NEW_TOKENS, "use_flash_attention": True}
+    steps |= {"output_logits": True, "return_dict_in_generate": True}
     with count_attention_paths(monkeypatch) as counts:
-        handing.generate(**inputs, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, use_flash_attention=True)
+        handed = handing.generate(**inputs, **steps)
     assert counts["fused"] == ATTENTION_CALLS and counts["default"] == 0
+    plain = model.generate(**inputs, **steps)
+    for found, expected in zip(handed.logits, plain.logits, strict=True):  # the prompt's position, then every step
+        assert (found - expected).abs().max() <= 1e-5

@@ -53,8 +53,12 @@ FUSED_SDPA_IMPLEMENTATION = "gaudi_fused_sdpa"
 # own list (`TransformersKwargs`) is read, so a keyword it adds is known here too. Any other keyword is an error,
 # so that a family feature is never dropped silently.
 IGNORED_ATTENTION_KWARGS = (
-    frozenset(TransformersKwargs.__annotations__) - {"output_attentions", "is_causal"}  # both read below
-) | {"cache_position", "use_cache", "shift_labels", "ignore_index"}
+    (frozenset(TransformersKwargs.__annotations__) - {"output_attentions", "is_causal"})  # both read below
+    | {"cache_position", "use_cache", "shift_labels", "ignore_index"}
+    # generate()'s own bookkeeping for `prepare_inputs_for_generation`, which reaches forward where a subclass's
+    # override hands every keyword on (`inputs.update(kwargs)`); stock's attention functions ignore them too
+    | {"is_first_iteration", "next_sequence_length"}
+)
 # What transformers' continuous batching passes besides its paged cache: the cache reads them in `update`, the
 # engine reads the logits ones; the step's sequences come from `cu_seq_lens_q`/`cu_seq_lens_k` (or its mask).
 CONTINUOUS_BATCHING_KWARGS = frozenset(
