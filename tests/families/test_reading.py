@@ -331,7 +331,9 @@ def test_a_prepare_inputs_for_generation_that_names_its_inputs_only_is_read_as_d
 def test_the_flags_do_not_reach_musicgen_melodys_steps_through_generate(monkeypatch):
     """What the refusal above reads, run: the mixin put in front of MusicGen Melody's decoder by hand (whose forward
     takes no `logits_to_keep`, which the mixin's forward hands on only to a forward that takes it), the flag given to
-    forward takes the fused path with stock's logits, and given to generate() none of its steps does."""
+    forward takes the fused path with stock's logits; given to generate(), which would drop it on the way to every
+    step (the steps ran the default path, stock's logits to the bit, before generate() said so), it is an error that
+    names the method. On the model's own generation config it reaches every step."""
     from optimum.habana.transformers.modeling_utils import GaudiAttentionMixin
     from tests.families.tiny_configs import tiny_family_config
     from tests.helpers import count_attention_paths
@@ -347,6 +349,10 @@ def test_the_flags_do_not_reach_musicgen_melodys_steps_through_generate(monkeypa
         logits = model(input_ids=ids, use_flash_attention=True).logits
     assert counts["fused"] > 0
     assert (logits - reference.eval()(input_ids=ids).logits).abs().max() <= 1e-5
+    steps = {"input_ids": ids, "max_new_tokens": 3, "do_sample": False}
+    with pytest.raises(ValueError, match=r"^MusicgenMelodyForCausalLM\.prepare_inputs_for_generation hands each step"):
+        model.generate(**steps, use_flash_attention=True)
+    model.generation_config.use_flash_attention = True
     with count_attention_paths(monkeypatch, profile=False) as counts:
-        model.generate(input_ids=ids, max_new_tokens=3, do_sample=False, use_flash_attention=True)
-    assert counts["fused"] == 0 and counts["default"] > 0
+        model.generate(**steps)
+    assert counts["fused"] > 0 and counts["default"] == 0

@@ -268,24 +268,30 @@ def computes_attention_itself(cls: type) -> bool:
 def drops_generation_kwargs(cls: type) -> str | None:
     """Where the `prepare_inputs_for_generation` that `cls` runs hands each step only the inputs it names (it neither
     uses its `**` parameter nor calls the method it overrides, so what generate() adds to the model's keyword
-    arguments, the attention flags, never reaches forward): that, said in words naming the class. None otherwise."""
-    owner = next((owner for owner in cls.__mro__ if "prepare_inputs_for_generation" in vars(owner)), None)
-    if owner is None or owner is GenerationMixin:  # transformers' own hands every keyword on: its file is not read
-        return None
-    located = method(cls, "prepare_inputs_for_generation")
-    if located is None:
-        return None
-    owner, function = located
-    rest = function.args.kwarg
-    if rest is None:  # a keyword it does not name raises TypeError there: nothing is dropped in silence
-        return None
-    names = {node.id for node in ast.walk(function) if isinstance(node, ast.Name)}
-    if rest.arg in names or "super" in names:
-        return None
-    return (
-        f"{owner.__name__}.prepare_inputs_for_generation hands each step only the inputs it names (its "
-        f"**{rest.arg} go nowhere)"
-    )
+    arguments, the attention flags, never reaches forward): that, said in words naming the class. None otherwise.
+    An override that calls `super()` leaves it to the next definition along the MRO (the Gaudi mixin's does)."""
+    for owner in cls.__mro__:
+        if "prepare_inputs_for_generation" not in vars(owner):
+            continue
+        if owner is GenerationMixin:  # transformers' own hands every keyword on: its file is not read
+            return None
+        body = getattr(class_node(owner), "body", ())
+        function = next(
+            (item for item in body if getattr(item, "name", None) == "prepare_inputs_for_generation"), None
+        )
+        if not isinstance(function, ast.FunctionDef) or function.args.kwarg is None:
+            return None  # no source to read; or a keyword it does not name raises TypeError there, in no silence
+        rest = function.args.kwarg.arg
+        names = {node.id for node in ast.walk(function) if isinstance(node, ast.Name)}
+        if "super" in names:
+            continue
+        if rest in names:
+            return None
+        return (
+            f"{owner.__name__}.prepare_inputs_for_generation hands each step only the inputs it names (its **{rest} go "
+            "nowhere)"
+        )
+    return None
 
 
 @functools.cache
