@@ -260,7 +260,7 @@ class HandsItsKwargsOn(GaudiLlamaForCausalLM):
 
 def test_flags_a_subclass_would_drop_on_the_way_to_forward_are_an_error_not_a_no_op(model, inputs, monkeypatch):
     """Its steps would run on the model's own flags (off) while the call asked for the fused path: refused before
-    anything is generated. Flags that equal the model's own arrive either way; a subclass that hands its keywords
+    anything is generated (not with continuous batching, whose steps do not go through the method). Flags that equal the model's own arrive either way; a subclass that hands its keywords
     on gets the call's, and the Gaudi class's logits at every step."""
     dropping = NamesItsInputsOnly(tiny_llama_config(num_hidden_layers=LAYERS)).eval()
     dropping.load_state_dict(model.state_dict())
@@ -269,6 +269,11 @@ def test_flags_a_subclass_would_drop_on_the_way_to_forward_are_an_error_not_a_no
     ) as error:
         dropping.generate(**inputs, max_new_tokens=NEW_TOKENS, use_flash_attention=True)
     assert "use_flash_attention=True" in str(error.value) and "model.generation_config" in str(error.value)
+    with count_attention_paths(monkeypatch) as counts:  # continuous batching's steps take no such inputs: no error
+        dropping.generate(
+            inputs["input_ids"][:1], max_new_tokens=2, cache_implementation="paged", use_flash_attention=True
+        )
+    assert counts["fused"] > 0 and counts["default"] == 0
     dropping.generation_config.use_flash_attention = True  # the model's own: what its forward runs on anyway
     with count_attention_paths(monkeypatch) as counts:
         dropping.generate(**inputs, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, use_flash_attention=True)

@@ -58,8 +58,9 @@ class GaudiGenerationMixin:
             generation_config = copy.deepcopy(generation_config)
             for name, value in flags.items():
                 setattr(generation_config, name, value)
-        _check_flags_reach_forward(type(self), flags, attention_flags_of(self.generation_config))
         generation_config, model_kwargs = super()._prepare_generation_config(generation_config, **kwargs)
+        if generation_config.cache_implementation != "paged":  # continuous batching's steps take no such inputs
+            _check_flags_reach_forward(type(self), flags, attention_flags_of(self.generation_config))
         for name, value in flags.items():
             setattr(generation_config, name, value)
         return generation_config, {**model_kwargs, **flags}
