@@ -199,9 +199,9 @@ def _judge(model_type: str, stock: type) -> FamilyReport:
     edges = _module_graph(stock)
     classes = {child for children in edges.values() for _, child in children} | {stock}
     attention = {cls for cls in classes if interface_calls(cls)}
-    cross = _cross_attention(edges, attention) if encoder_decoder else None
+    cross = _cross_attention(edges, attention) if encoder_decoder else []
     if cross:
-        return refuse(f"the decoder of an encoder-decoder model: {_cross_attention_reason(*cross)}")
+        return refuse(f"the decoder of an encoder-decoder model: {_cross_attention_reason(*cross[0])}")
     bypassing = sorted(cls.__name__ for cls in classes - attention if computes_attention_itself(cls))
     if bypassing:
         return refuse(
@@ -302,13 +302,15 @@ def _attention_call_reason(cls: type) -> str:
     return ""
 
 
-def _cross_attention(edges: dict[type, list[tuple[str, type]]], attention: set[type]) -> tuple[type, str] | None:
-    """The first (module class, attribute) whose attention module it calls with another model's states."""
-    for parent, children in edges.items():
-        for attribute in sorted({attribute for attribute, child in children if child in attention}):
-            if call_keywords(parent, attribute) & CROSS_ATTENTION_INPUTS:
-                return parent, attribute
-    return None
+def _cross_attention(edges: dict[type, list[tuple[str, type]]], attention: set[type]) -> list[tuple[type, str]]:
+    """Each (module class, attribute) whose attention module it calls with another model's states, in the order of
+    `edges`."""
+    return [
+        (parent, attribute)
+        for parent, children in edges.items()
+        for attribute in sorted({attribute for attribute, child in children if child in attention})
+        if call_keywords(parent, attribute) & CROSS_ATTENTION_INPUTS
+    ]
 
 
 def _cross_attention_reason(parent: type, attribute: str) -> str:
@@ -320,6 +322,7 @@ def _cross_attention_reason(parent: type, attribute: str) -> str:
 
 def _keyword_path_reason(stock: type, edges: dict[type, list[tuple[str, type]]], attention: set[type]) -> str:
     """Every module on the way from the causal LM to an attention module must hand the call's keywords on."""
+    crossing = set(_cross_attention(edges, attention))
     holds_attention = set(attention)
     changed = True
     while changed:
@@ -330,8 +333,7 @@ def _keyword_path_reason(stock: type, edges: dict[type, list[tuple[str, type]]],
                 changed = True
     for parent, children in edges.items():
         for attribute in sorted({attribute for attribute, child in children if child in holds_attention}):
-            attends = any(child in attention for name, child in children if name == attribute)
-            if attends and call_keywords(parent, attribute) & CROSS_ATTENTION_INPUTS:
+            if (parent, attribute) in crossing:
                 return _cross_attention_reason(parent, attribute)
             reaching = frozenset(child for name, child in children if name == attribute and child in holds_attention)
             passes = forwards_kwargs_to(parent, attribute, reaching)
