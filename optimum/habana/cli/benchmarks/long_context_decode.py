@@ -398,11 +398,6 @@ def _profiled_as(name: str, function: Callable) -> Callable:
     return annotated
 
 
-def linear_read_rate(device: torch.device, dtype: torch.dtype, mib: int = 256, repeats: int = 9) -> float:
-    """Bytes per second a batch-1 linear layer reads its weight at (`ReadProbe`)."""
-    return ReadProbe(device, dtype, mib).rate(repeats)
-
-
 # glibc's mallopt parameters, and the values its moving mmap threshold settles at (64-bit): large blocks reused.
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
 SETTLED_MMAP_THRESHOLD = 32 * MIB
@@ -448,7 +443,6 @@ __all__ = [
     "absorbed_product_rate",
     "absorbed_products_per_token",
     "kv_bytes_per_token",
-    "linear_read_rate",
     "measure_shape",
     "prefill",
     "profiled_step",
