@@ -73,9 +73,10 @@ class GaudiAttentionMixin(GaudiGenerationMixin):
     def __init_subclass__(cls, **kwargs: Any) -> None:
         """Each Gaudi class's forward declares the stock class's return type (MoE families return router logits)."""
         super().__init_subclass__(**kwargs)
-        stock_return = _stock_class(cls).forward.__annotations__.get("return")
+        stock_forward = _stock_class(cls).forward
+        stock_return = stock_forward.__annotations__.get("return")
         # Decided once per class, a constant to a compiled forward: MusicGen Melody's decoder takes no logits_to_keep.
-        cls._stock_takes_logits_to_keep = "logits_to_keep" in inspect.signature(_stock_class(cls).forward).parameters
+        cls._stock_takes_logits_to_keep = "logits_to_keep" in inspect.signature(stock_forward).parameters
 
         @functools.wraps(GaudiAttentionMixin.forward)
         def forward(self, *args: Any, **kwargs: Any) -> Any:
