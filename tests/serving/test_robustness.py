@@ -11,9 +11,13 @@ import urllib.request
 
 import pytest
 from transformers import AutoTokenizer
+from transformers.cli.serving.utils import CBWorkerDeadError
 
+from optimum.habana.cli.serving.app import SHUTDOWN_GRACE_S
+from optimum.habana.cli.serving.checks import RequestError
+from optimum.habana.cli.serving.generation import GaudiCBGenerateManager
 from optimum.habana.transformers import GaudiLlamaForCausalLM
-from tests.helpers import save_tiny_checkpoint
+from tests.helpers import save_tiny_checkpoint, tiny_config
 from tests.serving.servers import CB_ENDLESS, ENDLESS, LONG_CB_CACHE, TIMEOUT_S, RunningServer
 
 
@@ -96,6 +100,46 @@ def test_shutting_down_cancels_the_requests_in_flight_each_with_its_error(name, 
     assert status == 503 and answer["error"]["code"] == "server_shutting_down"
 
 
+def test_a_request_still_being_prepared_when_the_server_shuts_down_gets_its_503_at_once(long_checkpoint):
+    """Handed the engine's manager, then shut down under it before it starts generating: a 503 at once (it waited
+    for the stopped engine's cache until uvicorn gave up: a 500), and a request that asks for a manager or the model
+    afterwards starts or loads nothing."""
+    server = start("cb", long_checkpoint)  # its engine runs from the start
+    state = server.serve._generation_state
+    handed, shut_down = threading.Event(), threading.Event()
+    get_manager, shutdown = state.get_manager, state.shutdown
+
+    def get_manager_then_wait(model_id: str, use_cb: bool = False):
+        manager = get_manager(model_id, use_cb=use_cb)
+        handed.set()
+        shut_down.wait(TIMEOUT_S)
+        return manager
+
+    def shutdown_then_say_so() -> None:
+        shutdown()
+        shut_down.set()
+
+    state.get_manager, state.shutdown = get_manager_then_wait, shutdown_then_say_so
+    outcome = {}
+    asking = threading.Thread(target=lambda: outcome.update(whole=server.post(CHAT, {"messages": HELLO})))
+    asking.start()
+    try:
+        assert handed.wait(TIMEOUT_S)
+        stopped_at = time.monotonic()
+    finally:
+        server.stop()
+    asking.join(TIMEOUT_S)
+    status, answer, _ = outcome["whole"]
+    assert status == 503 and answer["error"]["code"] == "server_shutting_down", answer
+    assert time.monotonic() - stopped_at < SHUTDOWN_GRACE_S
+    with pytest.raises(RequestError, match="shutting down"):
+        get_manager(server.serve._model_manager.served.name, use_cb=True)
+    assert state._cb_manager is None
+    with pytest.raises(RequestError, match="shutting down"):
+        server.serve._model_manager.load_model_and_processor(f"{long_checkpoint}@main")
+    assert not server.serve._model_manager.loaded_models
+
+
 def test_two_requests_in_flight_cannot_share_an_id(servers):
     server = servers["sequential"]
     same = {"x-request-id": "one-id"}
@@ -137,6 +181,16 @@ def test_a_dead_continuous_batching_worker_is_replaced(servers, monkeypatch):
     status, answer, _ = server.post(CHAT, {"messages": HELLO, "max_tokens": 2})
     assert status == 200 and answer["usage"]["completion_tokens"] == 2
     assert health(server)[0] == 200
+
+
+def test_a_manager_whose_engine_was_stopped_starts_none():
+    """Replaced after its worker died, a manager still held by a request being prepared: that request gets the
+    worker's 503 at once, and no second engine starts behind the replacement."""
+    manager = GaudiCBGenerateManager()
+    manager.stop()
+    with pytest.raises(CBWorkerDeadError, match="has stopped"):
+        manager.init_cb(GaudiLlamaForCausalLM(tiny_config("llama")))
+    assert manager._cb is None
 
 
 @pytest.fixture(scope="module")

@@ -26,7 +26,13 @@ from typing import Any
 
 import torch
 from transformers import GenerationConfig, PreTrainedModel, StoppingCriteria, StoppingCriteriaList
-from transformers.cli.serving.utils import CBGenerateManager, GenerateManager, GenerationState, _StreamError
+from transformers.cli.serving.utils import (
+    CBGenerateManager,
+    CBWorkerDeadError,
+    GenerateManager,
+    GenerationState,
+    _StreamError,
+)
 
 from .cache import wait_for_cache
 from .checks import RequestError, TokenRequest
@@ -282,11 +288,30 @@ class BoundedCBGenerateManager(BoundedStreaming, CBGenerateManager):
     """transformers' continuous-batching manager, which refuses what its cache cannot hold, and cancels; its engine
     runs with the server's generation settings, whichever request comes first, and is known to serve once started:
     `init_cb` returns when its paged cache is built, or raises CBWorkerDeadError saying why it could not be (a 503;
-    transformers' first requests got a 500 and later ones waited on a worker that had died)."""
+    transformers' first requests got a 500 and later ones waited on a worker that had died).
+
+    Once stopped it starts nothing: a request handed this manager before it was stopped gets its error at once,
+    where it waited for the stopped engine's cache until the build timeout (and started an engine that nothing would
+    stop, where none had started yet)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._starting = threading.Lock()  # a start and a stop, one after the other
+        self._stopped_for: str | None = None
 
     def init_cb(self, model: PreTrainedModel, gen_config: GenerationConfig | None = None) -> None:
-        super().init_cb(model, shared_generation_config(model.generation_config))
+        with self._starting:
+            if self._stopped_for == SHUTDOWN:
+                raise cancellation_error(SHUTDOWN)
+            if self._stopped_for is not None:
+                raise CBWorkerDeadError("The continuous-batching engine this request was given has stopped.")
+            super().init_cb(model, shared_generation_config(model.generation_config))
         wait_for_cache(self)  # at once where it was built
+
+    def stop(self, reason: str = "replaced") -> None:
+        with self._starting:
+            self._stopped_for = reason
+        super().stop()
 
     def cache(self) -> tuple[int, int] | None:
         """(blocks, tokens per block) of the paged cache: the built one's, else the configured, else unknown."""
@@ -317,14 +342,18 @@ class GaudiCBGenerateManager(OnServerLoop, BoundedCBGenerateManager):
 class GaudiGenerationState(GenerationState):
     """transformers' generation state with the managers above, which handlers running in worker threads ask for
     under a lock (two sequential managers would generate at once); a continuous-batching worker that died is
-    replaced at the next request (transformers answers 503 to every request from then on)."""
+    replaced at the next request (transformers answers 503 to every request from then on). Once shut down it hands
+    out no manager: a request that asks for one then gets a 503, not an engine started that nothing would stop."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._lock = threading.Lock()
+        self._shut_down = False
 
     def get_manager(self, model_id: str, use_cb: bool = False) -> Any:
         with self._lock:
+            if self._shut_down:
+                raise cancellation_error(SHUTDOWN)
             if use_cb and self._cb_manager is not None and not self._cb_manager.is_alive():
                 logger.warning("The continuous-batching worker died; the next request starts a new one.")
                 self._cb_manager.stop()
@@ -336,3 +365,10 @@ class GaudiGenerationState(GenerationState):
             if not use_cb and model_id not in self._generate_managers:
                 self._generate_managers[model_id] = GaudiGenerateManager()
             return super().get_manager(model_id, use_cb=use_cb)
+
+    def shutdown(self) -> None:
+        with self._lock:
+            self._shut_down = True
+            if self._cb_manager is not None:
+                self._cb_manager.stop(SHUTDOWN)
+                self._cb_manager = None

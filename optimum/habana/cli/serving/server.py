@@ -38,7 +38,7 @@ from optimum.habana.utils.pretrained import load_tokenizer
 
 from .cache import describe_cache, sized_for_cpu
 from .checks import ServedModel
-from .generation import SHUTDOWN, GaudiGenerationState, InFlightRequests, context_length
+from .generation import SHUTDOWN, GaudiGenerationState, InFlightRequests, cancellation_error, context_length
 from .options import ServeOptionError, check_api_key, check_compile_device, check_serve_options
 from .options import chat_template_kwargs as parse_chat_template_kwargs
 from .preparation import longest_token
@@ -112,6 +112,8 @@ class GaudiModelManager(ModelManager):
 
     It knows what it serves (`served`: the name, context length and vocabulary requests are checked against) and
     lists that model at `/v1/models`, where transformers lists the hub cache (a 500 on a machine without one).
+    Once the server shuts down (`shutting_down`) it loads nothing: the models it unloads stay unloaded, and a request
+    that would load one again gets a 503.
     """
 
     def __init__(self, *args: Any, attention_flags: Mapping[str, bool] | None = None, **kwargs: Any) -> None:
@@ -122,7 +124,13 @@ class GaudiModelManager(ModelManager):
         self.has_chat_template = True
         self.longest_token: int | None = None
         self.loaded_at = int(time.time())
+        self.shutting_down = False
         super().__init__(*args, **kwargs)
+
+    def load_model_and_processor(self, *args: Any, **kwargs: Any) -> tuple[PreTrainedModel, Any]:
+        if self.shutting_down:
+            raise cancellation_error(SHUTDOWN)
+        return super().load_model_and_processor(*args, **kwargs)
 
     def get_gen_models(self, cache_dir: str | None = None) -> list[dict]:
         """`/v1/models`: the served model, in OpenAI's model object."""
@@ -328,8 +336,10 @@ class GaudiServe(Serve):
                 self._generation_state.shutdown()
 
     def kill_server(self) -> None:
-        """transformers' `kill_server`, once every request in flight was cancelled (each gets its error)."""
+        """transformers' `kill_server`, once every request in flight was cancelled (each gets its error) and no request
+        can load the model again (it unloads it under the requests still being prepared)."""
         self._requests.cancel_all(SHUTDOWN)
+        self._model_manager.shutting_down = True
         super().kill_server()
 
 
