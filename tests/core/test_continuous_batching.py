@@ -369,3 +369,50 @@ def test_a_failed_request_fails_alone_beside_the_requests_of_its_step(flag, monk
     results = [done[request_id] for request_id in ids]
     assert results[1].status == RequestStatus.FAILED and results[1].error == "poisoned step"
     assert [result.generated_tokens for index, result in enumerate(results) if index != 1] == expected
+
+
+def test_a_kept_manager_serves_each_call_with_its_own_flags(monkeypatch):
+    """`persistent_manager=True` keeps the engine between calls. The flag off needs each step's mask, which an engine
+    built for the flag left out: a call with other flags gets an engine built for them, one with the same flags the
+    kept one."""
+    ours, _ = models("llama")
+    requests = prompts()
+    engines = []
+    try:
+        for flag in (True, True, False, True):
+            with count_attention_paths(monkeypatch, profile=False) as counts:
+                outputs = ours.generate_batch(
+                    inputs=requests,
+                    generation_config=greedy_config(use_flash_attention=flag),
+                    continuous_batching_config=small_engine(),
+                    persistent_manager=True,
+                )
+            assert [output.status for output in outputs.values()] == [RequestStatus.FINISHED] * len(requests)
+            assert by_request(outputs) == one_by_one(ours, requests, use_flash_attention=flag)
+            assert counts["fused" if flag else "default"] > 0 and counts["default" if flag else "fused"] == 0
+            engines.append(ours._cached_continuous_batching_manager.batch_processor)
+    finally:
+        ours.destroy_cached_continuous_batching_manager()
+    assert engines[1] is engines[0] and engines[2] is not engines[1] and engines[3] is not engines[2]
+
+
+def test_other_flags_for_a_kept_manager_still_running_are_refused():
+    ours, _ = models("llama")
+    manager = ours.init_continuous_batching(
+        generation_config=greedy_config(use_flash_attention=True), continuous_batching_config=small_engine()
+    )
+    manager.start()
+    manager.stop(block=True, keep_for_next_session=True)
+    manager.start()  # kept on the model, and running again
+    try:
+        with pytest.raises(ValueError) as refused:
+            ours.init_continuous_batching(generation_config=greedy_config(use_flash_attention=False))
+        assert str(refused.value) == (
+            "use_flash_attention=False runs this model's engine steps with the mask the default path reads, and the "
+            "continuous batching manager kept on this model is running an engine built otherwise: stop it "
+            "(manager.stop()) before asking for other flags, or pass the flags it runs with."
+        )
+        assert ours._continuous_batching_flags["use_flash_attention"]  # its running engine's flags, untouched
+        assert ours.init_continuous_batching(generation_config=greedy_config(use_flash_attention=True)) is manager
+    finally:
+        ours.destroy_cached_continuous_batching_manager()

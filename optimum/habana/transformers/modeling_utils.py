@@ -164,8 +164,8 @@ class GaudiAttentionMixin(GaudiGenerationMixin):
         `generate_batch` and `continuous_batching_context_manager` come through here too.
         """
         engine_generation_config = generation_config if generation_config is not None else self.generation_config
-        self._continuous_batching_flags = engine_flags(self.generation_config, engine_generation_config)
-        return init_manager(self, generation_config, continuous_batching_config, workload_hints)
+        flags = engine_flags(self.generation_config, engine_generation_config)
+        return init_manager(self, flags, generation_config, continuous_batching_config, workload_hints)
 
     def _apply_attn_implementation_default(self) -> None:
         """Make a chosen attention the model's default: the flags in `generation_config` follow it."""

@@ -55,9 +55,10 @@ CONTINUOUS_BATCHING_ATTENTION = "sdpa"
 MASK_FREE_STEP_ATTENTION = "gaudi_mask_free_step"
 
 
-def engine_attention(model: Any) -> str:
+def engine_attention(model: Any, flags: dict[str, bool] | None = None) -> str:
     """The name to present to the engine: mask-free where the flag's path reads none (`steps_run_mask_free`)."""
-    flags = getattr(model, "_continuous_batching_flags", None) or attention_flags_of(model.generation_config)
+    if flags is None:
+        flags = getattr(model, "_continuous_batching_flags", None) or attention_flags_of(model.generation_config)
     if steps_run_mask_free(bool(flags.get("use_flash_attention")), model.config, model.device.type):
         return MASK_FREE_STEP_ATTENTION
     return CONTINUOUS_BATCHING_ATTENTION
@@ -132,6 +133,15 @@ class GaudiContinuousBatchingManager(ContinuousBatchingManager):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._isolation = StepIsolation()
+        self.engine_built_for: str | None = None  # the name its batch processor was built under
+
+    def _create_batch_processor(self) -> Any:
+        """transformers' batch processor, which decides once, when built, whether its steps carry a mask (it
+        allocates the mask's buffers or none): a kept manager is rebuilt where new flags decide otherwise
+        (`init_manager`)."""
+        if getattr(self, "batch_processor", None) is None:
+            self.engine_built_for = self.model.config._attn_implementation
+        return super()._create_batch_processor()
 
     def switch_to_cb_friendly_attn(self, model: Any, auto_switch_to_flash: bool = True) -> None:
         chosen, presented = model.config._attn_implementation, engine_attention(model)
@@ -320,16 +330,23 @@ def check_engine_serves(model: Any) -> None:
 
 def init_manager(
     model: Any,
+    flags: dict[str, bool],
     generation_config: GenerationConfig | None,
     continuous_batching_config: ContinuousBatchingConfig | None,
     workload_hints: Any,
 ) -> ContinuousBatchingManager:
-    """`init_continuous_batching` as transformers does it, with the Gaudi manager."""
+    """`init_continuous_batching` as transformers does it, with the Gaudi manager running with `flags`.
+
+    transformers hands back a kept manager (`persistent_manager=True`) as it is; its engine is built again where
+    these flags need steps of the other kind (with a mask or without) than it was built for."""
     check_engine_serves(model)
     cached = getattr(model, "_cached_continuous_batching_manager", None)
     if isinstance(cached, ContinuousBatchingManager):
+        fit_kept_engine(cached, model, flags)
+        model._continuous_batching_flags = flags
         cached.switch_to_cb_friendly_attn(model, False)
         return cached
+    model._continuous_batching_flags = flags
     generation_config = generation_config if generation_config is not None else model.generation_config
     if generation_config.eos_token_id is None:
         logger.warning("`eos_token_id` not set in the generation config: requests stop at max_new_tokens only.")
@@ -340,6 +357,28 @@ def init_manager(
         continuous_batching_config=engine_config(continuous_batching_config, generation_config),
         workload_hints=workload_hints,
     )
+
+
+def fit_kept_engine(manager: ContinuousBatchingManager, model: Any, flags: dict[str, bool]) -> None:
+    """Drop a kept manager's batch processor built for steps of the other kind than `flags` need, so that its next
+    start builds one for them: the flag off on an engine built without masks would run the default path unmasked."""
+    built_for, wanted = getattr(manager, "engine_built_for", None), engine_attention(model, flags)
+    if getattr(manager, "batch_processor", None) is None or built_for in (None, wanted):
+        return
+    steps = "without a mask" if wanted == MASK_FREE_STEP_ATTENTION else "with the mask the default path reads"
+    if manager.is_running():
+        raise ValueError(
+            f"use_flash_attention={bool(flags.get('use_flash_attention'))} runs this model's engine steps {steps}, "
+            "and the continuous batching manager kept on this model is running an engine built otherwise: stop it "
+            "(manager.stop()) before asking for other flags, or pass the flags it runs with."
+        )
+    logger.warning(
+        "use_flash_attention=%s runs this model's engine steps %s: the kept continuous batching manager's engine, "
+        "built otherwise, is built again (its paged cache with it).",
+        bool(flags.get("use_flash_attention")),
+        steps,
+    )
+    manager.batch_processor = None
 
 
 __all__ = [
@@ -355,6 +394,7 @@ __all__ = [
     "engine_attention",
     "engine_config",
     "engine_flags",
+    "fit_kept_engine",
     "init_manager",
     "request_problem",
     "steps_run_mask_free",
