@@ -416,3 +416,32 @@ def test_other_flags_for_a_kept_manager_still_running_are_refused():
         assert ours.init_continuous_batching(generation_config=greedy_config(use_flash_attention=True)) is manager
     finally:
         ours.destroy_cached_continuous_batching_manager()
+
+
+def test_a_request_without_max_new_tokens_ends_at_the_models_context():
+    """transformers' engine reads an unset max_new_tokens as no limit: it ran past the context until its cache ran
+    out, then failed the request with a scheduling error. Here such a request stops at the context, as a server's
+    does, or is refused at once where the cache could not hold it that far."""
+    ours, _ = models("llama", max_position_embeddings=40)
+    requests = [prompts()[0], prompts()[3]]  # 5 and 12 tokens: 35 and 28 new tokens to the context
+    unset = greedy_config(max_new_tokens=None, use_flash_attention=True)
+    outputs = ours.generate_batch(inputs=requests, generation_config=unset, continuous_batching_config=small_engine())
+    assert [output.status for output in outputs.values()] == [RequestStatus.FINISHED] * 2
+    expected = [
+        ours.generate(torch.tensor([ids]), generation_config=greedy_config(max_new_tokens=40 - len(ids)))[
+            0, len(ids) :
+        ]
+        for ids in requests
+    ]
+    assert by_request(outputs) == [tokens.tolist() for tokens in expected]
+    two_blocks = ContinuousBatchingConfig(page_size=16, num_blocks=2, max_batch_tokens=16)
+    (refused,) = ours.generate_batch(
+        inputs=requests[:1], generation_config=unset, continuous_batching_config=two_blocks
+    ).values()
+    assert refused.status == RequestStatus.FAILED and not refused.generated_tokens
+    assert refused.error == (
+        "max_new_tokens is not set, so this request may run to the end of the model's context (35 new tokens): the "
+        "paged cache is too small for this request: its 5 prompt tokens and max_new_tokens 35 need 3 blocks of 16 "
+        "tokens, the cache holds 2. Size it with ContinuousBatchingConfig(num_blocks=...) (serve: --cb-num-blocks) "
+        "of at least 3, or lower max_new_tokens."
+    )

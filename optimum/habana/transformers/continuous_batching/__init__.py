@@ -160,8 +160,15 @@ class GaudiContinuousBatchingManager(ContinuousBatchingManager):
     ) -> str | None:
         new_tokens = self.generation_config.max_new_tokens if max_new_tokens is None else max_new_tokens
         problem = request_problem(list(input_ids), new_tokens, self.model, self.cache_capacity())
+        if problem is None and new_tokens is None:  # "no limit" to transformers' engine: it ran past the context
+            new_tokens = room_in_context(input_ids, self.model)  # until the cache ran out and failed the request
+            if problem := request_problem(list(input_ids), new_tokens, self.model, self.cache_capacity()):
+                problem = (
+                    "max_new_tokens is not set, so this request may run to the end of the model's context "
+                    f"({new_tokens} new tokens): {problem}"
+                )
         if problem is None or not self.is_tp_driver:
-            return super().add_request(input_ids, request_id=request_id, max_new_tokens=max_new_tokens, **kwargs)
+            return super().add_request(input_ids, request_id=request_id, max_new_tokens=new_tokens, **kwargs)
         if request_id is None:
             with self._request_lock:
                 request_id = f"req_{self._request_counter}"
@@ -272,6 +279,13 @@ def request_problem(
                 f"least {needed}, or lower max_new_tokens."
             )
     return None
+
+
+def room_in_context(input_ids: list[int], model: Any) -> int | None:
+    """New tokens left before a prompt reaches the model's context (`max_position_embeddings`): where a request
+    without max_new_tokens stops, as the server's do. None where the config names no context."""
+    context = getattr(getattr(model, "config", model), "max_position_embeddings", None)
+    return None if context is None else context - len(input_ids)
 
 
 def blocks_needed(tokens: int, page_size: int, config: Any) -> int:
@@ -397,5 +411,6 @@ __all__ = [
     "fit_kept_engine",
     "init_manager",
     "request_problem",
+    "room_in_context",
     "steps_run_mask_free",
 ]
