@@ -58,6 +58,16 @@ def static_cache(model, inputs, **kwargs):
     return model.generate(**inputs, cache_implementation="static", **GREEDY, **kwargs)
 
 
+def static_cache_next_turn(model, inputs, **kwargs):
+    """A second generate() from the first one's static cache, with 3 more prompt tokens: past its max_cache_len."""
+    first = model.generate(**inputs, cache_implementation="static", return_dict_in_generate=True, **GREEDY, **kwargs)
+    turn = torch.cat([first.sequences, torch.full((first.sequences.shape[0], 3), 7)], dim=1)
+    mask = torch.cat([inputs["attention_mask"], torch.ones_like(turn[:, inputs["attention_mask"].shape[1] :])], dim=1)
+    return model.generate(
+        input_ids=turn, attention_mask=mask, past_key_values=first.past_key_values, **GREEDY, **kwargs
+    )
+
+
 def embeddings_into_bucketed_cache(model, inputs, **kwargs):
     """Our cache (--bucket_size): only our classes size its buckets, so the stock reference is `from_embeddings`."""
     cache = BucketedStaticCache(model.config, max_cache_len=24, bucket_size=4)
@@ -161,3 +171,10 @@ def test_static_cache_of_windowed_layers_only_holds_the_whole_generation(monkeyp
     length: the cache still takes the 12-token prompt and each new token, with the stock class's tokens."""
     inputs = left_padded_batch([12, 5, 9], seed=4)
     check_feature("mistral", static_cache, inputs, monkeypatch, **SLIDING_WINDOW_CONFIGS["mistral"])
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_static_cache_of_windowed_layers_only_takes_a_next_turn_past_its_length(monkeypatch):
+    """Its windowed layers roll, as stock's do: a second generate() from it runs past the cache's max_cache_len."""
+    inputs = left_padded_batch([12, 5, 9], seed=4)
+    check_feature("mistral", static_cache_next_turn, inputs, monkeypatch, **SLIDING_WINDOW_CONFIGS["mistral"])

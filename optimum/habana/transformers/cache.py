@@ -9,7 +9,8 @@ builds one graph per bucket, not one per step.
 
 The length is set outside the compiled region, before each forward, as a Python number (no device sync):
 `GaudiAttentionMixin.prepare_inputs_for_generation` calls `prepare_for_new_tokens` in `generate()`; callers of
-`forward` call it themselves. Sliding-window layers keep transformers' own fixed-size static layers.
+`forward` call it themselves. Sliding-window layers keep transformers' own fixed-size static layers, which roll:
+a cache of those alone takes tokens past `max_cache_len`, as stock's does.
 """
 
 import math
@@ -100,10 +101,12 @@ class BucketedStaticCache(StaticCache):
     def prepare_for_new_tokens(self, new_tokens: int) -> None:
         """Call before a forward that adds `new_tokens` tokens (the prompt, then one per decode step)."""
         self.tokens += new_tokens
+        bucketed = [layer for layer in self.layers if isinstance(layer, BucketedStaticLayer)]
+        if not bucketed:  # sliding-window layers only: they roll past max_cache_len, as stock's do
+            return
         length = self.bucketed_length(self.tokens)
-        for layer in self.layers:
-            if isinstance(layer, BucketedStaticLayer):
-                layer.set_active_length(length)
+        for layer in bucketed:
+            layer.set_active_length(length)
 
     def reset(self) -> None:
         """Empty the cache and keep its storage (Optimum-Habana's `--reuse_cache` reuses it across runs)."""
