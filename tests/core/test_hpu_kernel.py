@@ -257,3 +257,25 @@ def test_a_decode_step_writes_the_cache_in_place_and_only_the_kernel_reads_it(
         assert {call.key.untyped_storage().data_ptr(), call.value.untyped_storage().data_ptr()} <= steps[0].storages
         assert call.key.shape[2] == 9 + NEW_TOKENS - 1  # the same shape every step
         assert call.query.shape[1:3] == (KV_HEADS, HEADS // KV_HEADS)
+
+
+def test_a_right_padded_prompt_continues_from_its_last_position_as_the_default_path_does(model, monkeypatch):
+    """The causal valid-length call leaves the padding's outputs zero; the last position, which generate()
+    continues from, gets one more call: its query over the row's real keys, as stock's mask gives it."""
+    inputs = batch([9, 6])
+    order = torch.argsort(1 - inputs["attention_mask"], dim=1, stable=True)
+    inputs = {name: tensor.gather(1, order) for name, tensor in inputs.items()}  # the padding on the right
+    expected = greedy(model, inputs)
+    state = gaudi(monkeypatch)
+    tokens = greedy(model, inputs, use_flash_attention=True, flash_attention_causal_mask=True)
+    assert torch.equal(tokens, expected)
+    prompt = state.calls[: 2 * LAYERS]
+    for causal, last in zip(prompt[0::2], prompt[1::2], strict=True):
+        assert causal.arguments["is_causal"] is True and causal.arguments["attn_mask"] is None
+        assert causal.arguments["valid_seq_len"].tolist() == [9, 6] and causal.arguments["seq_padding_type"] == "right"
+        mask = last.arguments["attn_mask"]
+        assert last.query.shape == (2, KV_HEADS, HEADS // KV_HEADS, HEAD_DIM) and mask.shape == (2, 1, 1, 9)
+        assert last.arguments["is_causal"] is False and last.arguments["valid_seq_len"] is None
+        assert mask[0].eq(0).all() and mask[1, ..., :6].eq(0).all()
+        assert mask[1, ..., 6:].eq(torch.finfo(torch.float32).min).all()
+    assert len(state.calls) == 2 * LAYERS + LAYERS * (NEW_TOKENS - 1)

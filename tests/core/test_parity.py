@@ -100,6 +100,25 @@ def test_right_padding_in_training_matches(models):
     assert max_diff_at_real_positions(causal, reference, inputs["attention_mask"]) <= FP32_LOGITS_TOLERANCE
 
 
+@pytest.mark.parametrize("cache_implementation", [None, "static"])
+def test_a_right_padded_prompt_generates_stock_tokens_and_logits(models, cache_implementation):
+    """generate() continues each row from its last position, a padding one in the shorter rows (transformers warns
+    against it): the flag changes nothing there either."""
+    ours, stock = models
+    inputs = {name: tensor.flip(-1) for name, tensor in left_padded_batch([12, 5, 9], seed=2).items()}
+    options = {"return_dict_in_generate": True, "output_logits": True, "cache_implementation": cache_implementation}
+    reference = greedy(stock, inputs, **options)
+    for flags in (
+        {},
+        {"use_flash_attention": True},
+        {"use_flash_attention": True, "flash_attention_causal_mask": True},
+    ):
+        found = greedy(ours, inputs, **options, **flags)
+        assert torch.equal(found.sequences, reference.sequences), flags
+        for step, logits in enumerate(found.logits):
+            assert (logits - reference.logits[step]).abs().max() <= FP32_LOGITS_TOLERANCE, (flags, step)
+
+
 def test_bf16_tolerance(models):
     ours, _ = models
     model = GaudiLlamaForCausalLM(ours.config).to(torch.bfloat16).eval()

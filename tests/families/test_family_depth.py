@@ -87,6 +87,17 @@ def test_static_cache_generate_gives_stock_tokens(model_type):
 
 
 @pytest.mark.parametrize("model_type", FAMILY_TYPES)
+def test_right_padded_generate_gives_stock_steps(model_type):
+    """generate() continues a right-padded prompt (transformers warns against it) from each row's last position, a
+    padding one in the shorter rows: with the flag, the tokens and every step's logits are still stock's."""
+    ours, stock = family_pair(model_type)
+    # Each shorter row keeps a real token within its last position's window and chunk (8 tokens): a query with no
+    # key to attend to gets zero from stock sdpa and the Gaudi paths, the average of every value from stock eager.
+    inputs = right_padded(left_padded_batch([12, 10, 9]))
+    assert_same_steps(greedy(ours, inputs, use_flash_attention=True), greedy(stock, inputs))
+
+
+@pytest.mark.parametrize("model_type", FAMILY_TYPES)
 def test_one_sequence_decode_cut_for_idle_threads_gives_stock_tokens(model_type, monkeypatch):
     """The context cut of a one-sequence CPU decode step (`kernels/split_context.py`), made to run for every family:
     64 threads as far as the decision sees (any head count leaves most idle), pieces of 4 tokens, and the CPU decode

@@ -9,7 +9,8 @@
 Each layout comes planned in one of two ways, by `optimum.habana.transformers.batch_layout`, once per forward:
 on the host (eager on CPU or CUDA: the padding side, the sequences' bounds as Python numbers), or as tensors only
 (inside a graph, and on Gaudi, where nothing may be read to the host). Outputs at padding positions are zero,
-except a right-padded prompt's in training (`_mean_of_real_values`).
+except a right-padded prompt's in training (`_mean_of_real_values`) and the last position of a row that ends in
+padding, where generate() continues (`_last_padding_query_answered`).
 """
 
 from typing import Literal, NamedTuple
@@ -115,8 +116,45 @@ def padded_causal_sdpa(
     if prompt.side == "none":
         return output
     if prompt.side == "right" and torch.is_grad_enabled() and output.requires_grad:
-        return torch.where(prompt.real[:, None, :, None], output, _mean_of_real_values(value, prompt, query.shape[1]))
-    return output.masked_fill(~prompt.real[:, None, :, None], 0.0)
+        output = torch.where(
+            prompt.real[:, None, :, None], output, _mean_of_real_values(value, prompt, query.shape[1])
+        )
+    else:
+        output = output.masked_fill(~prompt.real[:, None, :, None], 0.0)
+    if prompt.side == "left":  # a row's last position is real
+        return output
+    return _last_padding_query_answered(output, query, key, value, prompt, window, chunk, options)
+
+
+def _last_padding_query_answered(
+    output: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    prompt: PaddedPrompt,
+    window: int | None,
+    chunk: int | None,
+    options: dict,
+) -> torch.Tensor:
+    """A row that ends in padding gets stock attention at its last position: its query over the row's real keys
+    (within the layer's window or chunk), as stock's mask gives it. generate() continues a right-padded prompt from
+    there (transformers warns that it should not be), and its tokens must not depend on the flag. One query a row
+    over the keys, with a `[B, 1, 1, kv]` mask: a decode step's cost. The other padding positions, which nothing
+    continues from, keep their zero."""
+    q_len = query.shape[2]
+    positions = torch.arange(q_len, device=query.device)
+    allowed = prompt.real
+    if window:  # right padding: positions count from 0, as transformers' masks do
+        allowed = allowed & (positions > q_len - 1 - window)
+    if chunk:
+        allowed = allowed & (positions // chunk == (q_len - 1) // chunk)
+    answers = ~prompt.real[:, -1] & allowed.any(dim=-1)
+    # a row with no key to attend to keeps its zero; its mask still lets one key through, so that no NaN is formed
+    allowed = allowed | (positions == q_len - 1) & ~allowed.any(dim=-1, keepdim=True)
+    options = {**options, "recompute": False, "softmax_mode": "None"}
+    last = fused_sdpa(query[:, :, -1:], key, value, allowed[:, None, None, :], is_causal=False, **options)
+    last = torch.where(answers[:, None, None, None], last.to(output.dtype), output[:, :, -1:])
+    return torch.cat([output[:, :, :-1], last], dim=2)
 
 
 def _mean_of_real_values(value: torch.Tensor, prompt: PaddedPrompt, heads: int) -> torch.Tensor:
