@@ -209,3 +209,23 @@ def test_a_gaudi_model_survives_a_deep_copy(inputs, monkeypatch):
     with count_attention_paths(monkeypatch) as counts:
         clone(**inputs, use_flash_attention=True)
     assert counts["fused"] == counts[FUSED_KERNEL_CPU] == LAYERS
+
+
+def test_a_subclass_that_writes_its_own_forward_keeps_it(inputs, monkeypatch):
+    """As over the stock class: the override runs, and its super().forward() is the Gaudi one, flags and all."""
+
+    class Scaled(GaudiLlamaForCausalLM):
+        def forward(self, *args, **kwargs):
+            output = super().forward(*args, **kwargs)
+            output.logits = output.logits * 2
+            return output
+
+    torch.manual_seed(0)
+    model = Scaled(tiny_llama_config()).eval()
+    plain = GaudiLlamaForCausalLM(tiny_llama_config()).eval()
+    plain.load_state_dict(model.state_dict())
+    with torch.no_grad(), count_attention_paths(monkeypatch) as counts:
+        scaled = model(**inputs, use_flash_attention=True).logits
+    assert counts["fused"] == LAYERS and counts["default"] == 0
+    with torch.no_grad():
+        torch.testing.assert_close(scaled, 2 * plain(**inputs, use_flash_attention=True).logits)

@@ -71,12 +71,15 @@ class GaudiAttentionMixin(GaudiGenerationMixin):
     generation_config_class = GaudiGenerationConfig
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
-        """Each Gaudi class's forward declares the stock class's return type (MoE families return router logits)."""
+        """Each Gaudi class's forward declares the stock class's return type (MoE families return router logits).
+        A subclass that writes its own forward (a user's, over a Gaudi class) keeps it, as over a stock class."""
         super().__init_subclass__(**kwargs)
         stock_forward = _stock_class(cls).forward
         stock_return = stock_forward.__annotations__.get("return")
         # Decided once per class, a constant to a compiled forward: MusicGen Melody's decoder takes no logits_to_keep.
         cls._stock_takes_logits_to_keep = "logits_to_keep" in inspect.signature(stock_forward).parameters
+        if "forward" in cls.__dict__:
+            return
 
         @functools.wraps(GaudiAttentionMixin.forward)
         def forward(self, *args: Any, **kwargs: Any) -> Any:
