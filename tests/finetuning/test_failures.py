@@ -154,6 +154,34 @@ CASES = {
         2,
         ["--save_steps 0 never saves a checkpoint", "--save_strategy no"],
     ),
+    # values PyTorch refuses only once the model is loaded (evaluation's batch size after the whole training)
+    "--learning_rate -1": Case(lambda c: c.args("--learning_rate", "-1"), 2, ["--learning_rate must be above 0"]),
+    "--per_device_train_batch_size 0": Case(
+        lambda c: c.args("--per_device_train_batch_size", "0"), 2, ["--per_device_train_batch_size", "at least 1"]
+    ),
+    "--per_device_eval_batch_size 0": Case(
+        lambda c: c.args("--do_eval", "--per_device_eval_batch_size", "0"),
+        2,
+        ["--per_device_eval_batch_size must be at least 1, got 0."],
+    ),
+    "--gradient_accumulation_steps 0": Case(
+        lambda c: c.args("--gradient_accumulation_steps", "0"), 2, ["--gradient_accumulation_steps", "at least 1"]
+    ),
+    "--adam_beta1 2": Case(lambda c: c.args("--adam_beta1", "2"), 2, ["--adam_beta1 must be in [0, 1), got 2."]),
+    "--adam_epsilon -1": Case(lambda c: c.args("--adam_epsilon", "-1"), 2, ["--adam_epsilon must be 0 or more"]),
+    "--dataloader_num_workers -1": Case(
+        lambda c: c.args("--dataloader_num_workers", "-1"), 2, ["--dataloader_num_workers", "got -1"]
+    ),
+    # nothing silent: values that train nothing, an untrained adapter saved as the result
+    "--gradient_accumulation_steps -1": Case(
+        lambda c: c.args("--gradient_accumulation_steps", "-1"),
+        2,
+        ["--gradient_accumulation_steps must be at least 1, got -1."],
+    ),
+    "--learning_rate 0": Case(
+        lambda c: c.args("--learning_rate", "0"), 2, ["--learning_rate must be above 0, got 0", "as it starts"]
+    ),
+    "--lora_alpha 0": Case(lambda c: c.args("--lora_alpha", "0"), 2, ["--lora_alpha 0", "never train"]),
     # nothing silent: data
     "row without an answer": Case(
         lambda c: c.args("--train_file", c.file("d.jsonl", JSONL_ROW * 2 + '{"instruction": "Why?"}\n')),
@@ -425,6 +453,9 @@ def test_bad_input_and_faults(name, script, checkpoint, earlier_run, nan_checkpo
         ["--save_strategy", "steps", "--save_steps", "0.5"],  # a fraction of the training's steps
         ["--save_strategy", "no", "--save_steps", "0"],  # no checkpoint asked for: --save_steps is not read
         ["--do_eval", "--max_steps", "0"],  # no training, so no step count to check (eval alone)
+        # evaluation alone reads none of the training's values
+        ["--do_eval", "--learning_rate", "0", "--per_device_train_batch_size", "0", "--adam_beta1", "2"],
+        ["--optim", "sgd", "--adam_beta1", "2"],  # Adam's betas matter to Adam only
     ],
 )
 def test_step_counts_that_mean_something_in_transformers_are_accepted(extra, tmp_path):

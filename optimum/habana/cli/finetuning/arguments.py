@@ -325,10 +325,45 @@ def check_arguments(
         raise FineTuningError(f"--max_new_tokens must be at least 1, got {generation_args.max_new_tokens}.")
     if not (training_args.do_train or training_args.do_eval or generation_args.generation_samples):
         raise FineTuningError("Nothing to do: pass --do_train, --do_eval and/or --generation_samples N.")
+    check_trainer_values(training_args)
     if training_args.do_train:
         check_training_length(training_args)
     if problem := data_parallel_launch_problem(training_args.use_cpu, launch_environment()):
         raise FineTuningError(problem)
+
+
+def check_trainer_values(training_args: TrainingArguments) -> None:
+    """Values TrainingArguments accepts and PyTorch refuses only once the model is loaded, deep in the optimizer or the
+    data loader (an evaluation batch size of 0 after the whole training), or that train nothing without a word (a
+    negative --gradient_accumulation_steps: zero steps, an untrained adapter saved as the result)."""
+    evaluates = training_args.do_eval or training_args.eval_strategy != "no"
+    at_least_one = {
+        "per_device_train_batch_size": training_args.do_train,
+        "gradient_accumulation_steps": training_args.do_train,
+        "per_device_eval_batch_size": evaluates,
+    }
+    for name, used in at_least_one.items():
+        if used and getattr(training_args, name) < 1:
+            raise FineTuningError(f"--{name} must be at least 1, got {getattr(training_args, name)}.")
+    if training_args.do_train and training_args.learning_rate <= 0:
+        raise FineTuningError(
+            f"--learning_rate must be above 0, got {training_args.learning_rate:g}"
+            + (": 0 leaves the adapter as it starts." if training_args.learning_rate == 0 else ".")
+        )
+    if training_args.dataloader_num_workers < 0:
+        raise FineTuningError(
+            f"--dataloader_num_workers must be 0 (load in the main process) or more, got "
+            f"{training_args.dataloader_num_workers}."
+        )
+    if not training_args.do_train:
+        return
+    for name in ("weight_decay", "adam_epsilon"):
+        if getattr(training_args, name) < 0:
+            raise FineTuningError(f"--{name} must be 0 or more, got {getattr(training_args, name):g}.")
+    if "adam" in getattr(training_args.optim, "value", str(training_args.optim)):
+        for name in ("adam_beta1", "adam_beta2"):
+            if not 0 <= getattr(training_args, name) < 1:
+                raise FineTuningError(f"--{name} must be in [0, 1), got {getattr(training_args, name):g}.")
 
 
 def check_training_length(training_args: TrainingArguments) -> None:

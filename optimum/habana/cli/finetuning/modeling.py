@@ -53,7 +53,7 @@ def lora_config(*, rank: int, alpha: float, dropout: float, target_modules: Sequ
 
     `target_modules=None` means the model's attention projections, filled in by `add_lora`.
     """
-    check_lora_values(rank, dropout, target_modules)
+    check_lora_values(rank, dropout, target_modules, alpha)
     return LoraConfig(
         task_type=TaskType.CAUSAL_LM,
         r=rank,

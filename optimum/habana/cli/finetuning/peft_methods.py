@@ -127,7 +127,9 @@ def check_peft_arguments(peft_args: PeftArguments, lora_args: Any) -> None:
             "--peft_type."
         )
     if peft_args.peft_type in ("lora", "adalora"):
-        check_lora_values(lora_args.lora_rank, lora_args.lora_dropout, lora_args.lora_target_modules)
+        check_lora_values(
+            lora_args.lora_rank, lora_args.lora_dropout, lora_args.lora_target_modules, lora_args.lora_alpha
+        )
     if peft_args.peft_type == "adalora":
         for name in ("adalora_init_r", "adalora_target_r", "adalora_delta_t"):
             if getattr(peft_args, name) < 1:
@@ -146,10 +148,15 @@ def check_peft_arguments(peft_args: PeftArguments, lora_args: Any) -> None:
                 raise FineTuningError(f"--{name} must be at least 1, got {getattr(peft_args, name)}.")
 
 
-def check_lora_values(rank: int, dropout: float, target_modules: Any) -> None:
+def check_lora_values(rank: int, dropout: float, target_modules: Any, alpha: float) -> None:
     """LoRA's numbers and targets, named after their command-line flags."""
     if rank < 1:
         raise FineTuningError(f"--lora_rank must be at least 1, got {rank}.")
+    if alpha == 0:
+        raise FineTuningError(
+            "--lora_alpha 0 scales the adapter's update by 0 (alpha / rank): it would never train. Pass a nonzero "
+            "--lora_alpha."
+        )
     if not 0.0 <= dropout < 1.0:
         raise FineTuningError(f"--lora_dropout must be in [0, 1), got {dropout}.")
     if target_modules is not None and not target_modules:
