@@ -151,7 +151,7 @@ def _last_padding_query_answered(
     answers = ~prompt.real[:, -1] & allowed.any(dim=-1)
     # a row with no key to attend to keeps its zero; its mask still lets one key through, so that no NaN is formed
     allowed = allowed | (positions == q_len - 1) & ~allowed.any(dim=-1, keepdim=True)
-    options = {**options, "recompute": False, "softmax_mode": "None"}
+    options = {**options, "softmax_mode": "None"}  # one query a row: the exact softmax, as decode steps take it
     last = fused_sdpa(query[:, :, -1:], key, value, allowed[:, None, None, :], is_causal=False, **options)
     last = torch.where(answers[:, None, None, None], last.to(output.dtype), output[:, :, -1:])
     return torch.cat([output[:, :, :-1], last], dim=2)
