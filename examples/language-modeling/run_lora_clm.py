@@ -347,11 +347,19 @@ def run(
 
 
 def explain_run(parser: HfArgumentParser, args: Arguments) -> dict[str, Any]:
-    """--explain: the run's checks, then the layout of the sequences over the processes; nothing is loaded."""
+    """--explain: the run's checks, then the layout of the sequences over the processes; nothing is loaded or
+    written."""
     try:
         check_numbers(args)
+        peft_methods.check_peft_arguments(args.peft, args.lora)
         flags = modeling.attention_flags_from(args.attention)
         gaudi_options(args)
+        check_arguments(args.data, args.generation, args.training)
+        resume = checkpoints.parse_resume_value(args.training.resume_from_checkpoint)
+        checkpoints.check_overwrite_and_resume(args.output.overwrite_output_dir, resume, args.training.output_dir)
+        common.check_output_dir(
+            args.training.output_dir, overwrite=args.output.overwrite_output_dir, resuming=resume is not None
+        )
         resolved = resolve_model(args.model.model_name_or_path, **loading_options.hub_options(args.model))
         data.check_max_seq_length(args.data.max_seq_length, resolved)
         config = loading_options.load_config_override(args.model.config_name, args.model.token)

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 import torch
 
 from optimum.habana.cli.adapters import apply_peft_adapter, check_adapter_folder
-from optimum.habana.cli.common import exit_on_interrupt_or_oom, prepare_output_dir
+from optimum.habana.cli.common import check_output_dir, exit_on_interrupt_or_oom, prepare_output_dir
 from optimum.habana.cli.compile_backend import compile_failure
 from optimum.habana.cli.generation import continuous_batching, multi_process
 from optimum.habana.cli.generation.arguments import (
@@ -65,6 +65,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     show_library_progress()
     if arguments.output.explain:
         try:
+            if arguments.output.output_dir:  # refused as a real run refuses it; nothing created
+                check_output_dir(
+                    arguments.output.output_dir,
+                    overwrite=arguments.output.overwrite_output_dir,
+                    resuming=False,
+                    can_resume=False,
+                )
             print(explain(arguments))
         except (ModelResolutionError, ValueError) as error:
             usage_error(parser, str(error))
@@ -78,7 +85,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         # Checked now: a folder that cannot be written would lose the results. Only rank 0 writes there.
         if arguments.output.output_dir and launch.is_main:
             prepare_output_dir(
-                arguments.output.output_dir, overwrite=arguments.output.overwrite_output_dir, resuming=False
+                arguments.output.output_dir,
+                overwrite=arguments.output.overwrite_output_dir,
+                resuming=False,
+                can_resume=False,
             )
         if arguments.model.peft_model:  # the adapter's files, before the model loads; its fit to the model after
             check_adapter_folder(arguments.model.peft_model, "--peft_model")

@@ -731,3 +731,35 @@ def test_more_epochs_continue_the_run_fewer_are_another_run(tmp_path):
     # From epochs to steps is another run, not a longer one.
     assert "--max_steps -1 there, 50 here" in run_record.resume_problem(checkpoint, {**recorded, "max_steps": 50})
     assert run_record.resume_notes(checkpoint, recorded) == []
+
+
+EXPLAIN_REFUSES = [
+    "non-empty output_dir",
+    "output_dir is a file",
+    "--max_steps 0",
+    "--per_device_eval_batch_size 0",
+    "--gradient_accumulation_steps -1",
+    "--lora_alpha 0",
+]
+
+
+@pytest.mark.parametrize("name", EXPLAIN_REFUSES)
+def test_explain_refuses_the_command_lines_a_run_refuses(name, script, checkpoint, earlier_run, tmp_path, capsys):
+    """--explain loads nothing and writes nothing, and refuses what the run would, in its words."""
+    case = CASES[name]
+    context = Context(tmp_path, checkpoint, earlier_run, checkpoint)
+    argv = case.argv(context)
+    before = snapshot(context.out)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        script.main([*argv, "--explain"])
+    last_line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert exit_info.value.code == 2 and last_line.startswith(PROG), last_line
+    assert all(word in last_line for word in case.words), last_line
+    assert snapshot(context.out) == before
+
+
+def test_explain_creates_no_output_folder(script, checkpoint, tmp_path, capsys):
+    output_dir = tmp_path / "new" / "out"
+    script.main(script_args(checkpoint, output_dir, *TRAIN.split(), "--explain"))
+    assert "Model:" in capsys.readouterr().out and not (tmp_path / "new").exists()

@@ -457,6 +457,18 @@ def test_explain_refuses_what_a_real_run_refuses(script, tiny_checkpoint, tmp_pa
     truncated = write_gguf(tmp_path / "cut.gguf", "llama")
     os.truncate(truncated, truncated.stat().st_size - 64)
     cases["truncated gguf"] = (["--model_name_or_path", str(truncated)], "cut.gguf' is not a valid GGUF file")
+    earlier = tmp_path / "earlier"
+    earlier.mkdir()
+    (earlier / "results.json").write_text("{}")
+    cases["non-empty output_dir"] = (
+        ["--model_name_or_path", str(tiny_checkpoint), "--output_dir", str(earlier)],
+        "is not empty (results.json): refusing to overwrite an earlier run. Pass --overwrite_output_dir to replace "
+        "its files, or another --output_dir.",  # no --resume_from_checkpoint here: the script has none
+    )
+    cases["output_dir is a file"] = (
+        ["--model_name_or_path", str(tiny_checkpoint), "--output_dir", str(earlier / "results.json")],
+        "is a file, not a folder",
+    )
     for name, (argv, message) in cases.items():
         for extra in ([], ["--explain"]):
             with pytest.raises(SystemExit) as exit_info:
@@ -470,6 +482,9 @@ def test_explain_refuses_what_a_real_run_refuses(script, tiny_checkpoint, tmp_pa
     get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj"])).save_pretrained(adapter)
     text = explain_text(tiny_checkpoint, "--peft_model", str(adapter))
     assert f"Adapter: {adapter} (LORA, fits the model), merged into the weights" in text
+    assert (earlier / "results.json").read_text() == "{}"
+    assert script.main(tiny_argv(tiny_checkpoint, "--explain", "--output_dir", str(tmp_path / "new" / "results"))) == 0
+    assert not (tmp_path / "new").exists()  # --explain writes nothing, not even the folder
 
 
 def test_explain_exits_before_loading(script, tiny_checkpoint, capsys):

@@ -274,24 +274,44 @@ class OutputDirError(ValueError):
     """An output folder or checkpoint that cannot be used as asked; the message names the flag and what to do."""
 
 
-def prepare_output_dir(output_dir: str, *, overwrite: bool, resuming: bool) -> Path:
+def prepare_output_dir(output_dir: str, *, overwrite: bool, resuming: bool, can_resume: bool = True) -> Path:
     """Create `output_dir` if needed and check that it can be written and may be written to.
 
     A folder that holds anything (other than staging folders of killed runs) is refused unless the user said
     `--overwrite_output_dir` or `--resume_from_checkpoint`: an earlier run's adapter is never replaced silently.
+    `can_resume`: whether the script has `--resume_from_checkpoint` to offer.
     """
     path = writable_folder(output_dir)
     for stale in remove_stale_staging(path, STAGING_PREFIX):
         logger.info("Removed %s, left by a killed run.", stale)
+    refuse_earlier_run(path, output_dir, overwrite=overwrite, resuming=resuming, can_resume=can_resume)
+    return path
+
+
+def check_output_dir(output_dir: str, *, overwrite: bool, resuming: bool, can_resume: bool = True) -> None:
+    """What `prepare_output_dir` refuses, told without creating or writing anything (`--explain`)."""
+    path = Path(output_dir).expanduser()
+    if path.exists() and not path.is_dir():
+        raise OutputDirError(f"--output_dir {output_dir!r} is a file, not a folder; pass a folder.")
+    existing = next(folder for folder in (path, *path.parents) if folder.exists())
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        raise OutputDirError(
+            f"--output_dir {output_dir!r} cannot be written ({existing} is not a folder you can write to); pass a "
+            "folder you can write to."
+        )
+    if path.is_dir():
+        refuse_earlier_run(path, output_dir, overwrite=overwrite, resuming=resuming, can_resume=can_resume)
+
+
+def refuse_earlier_run(path: Path, output_dir: str, *, overwrite: bool, resuming: bool, can_resume: bool) -> None:
     contents = sorted(entry.name for entry in path.iterdir() if not entry.name.startswith(STAGING_PREFIX))
     if contents and not (overwrite or resuming):
         listed = ", ".join(contents[:5]) + (f" and {len(contents) - 5} more" if len(contents) > 5 else "")
+        resume = " --resume_from_checkpoint True to continue from its last checkpoint," if can_resume else ""
         raise OutputDirError(
             f"--output_dir {output_dir!r} is not empty ({listed}): refusing to overwrite an earlier run. Pass "
-            "--overwrite_output_dir to replace its files, --resume_from_checkpoint True to continue from its last "
-            "checkpoint, or another --output_dir."
+            f"--overwrite_output_dir to replace its files,{resume} or another --output_dir."
         )
-    return path
 
 
 def writable_folder(output_dir: str, flag: str = "--output_dir") -> Path:
