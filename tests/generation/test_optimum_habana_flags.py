@@ -189,6 +189,7 @@ NOTES = {
     "--sdp_on_bf16": "--sdp_on_bf16: PyTorch's math SDPA backend may now reduce in bf16/fp16",
     "--attn_batch_split=2": "--attn_batch_split 2: no effect here",
     "--attn_softmax_bf16": "--attn_softmax_bf16: the model runs in float32",
+    "--bucket_size=0": "--bucket_size 0: no bucketing, as with -1",  # Optimum-Habana reads <= 0 as off
 }
 
 

@@ -444,6 +444,8 @@ def flag_notes(arguments: ScriptArguments, device: torch.device, dtype: torch.dt
             f"--attn_batch_split {execution.attn_batch_split}: no effect here: Optimum-Habana splits the prompt's batch "
             "so that Gaudi overlaps attention and MLP; transformers' layers run the batch whole, with the same results."
         )
+    if execution.bucket_size <= 0 and execution.bucket_size != -1:  # -1: the default, off
+        notes.append(f"--bucket_size {execution.bucket_size}: no bucketing, as with -1 (pass N > 0 for buckets).")
     if bf16_note := slow_bf16_note(device, dtype):
         notes.append(f"--bf16: {bf16_note}")
     if workload.prompt and len(workload.prompt) > workload.batch_size and not execution.continuous_batching:
