@@ -305,3 +305,43 @@ def test_a_model_without_a_chat_template_takes_completions_and_refuses_messages_
         assert status == 200 and answer["usage"]["completion_tokens"] == 2
     finally:
         server.stop()
+
+
+def streamed_text(server: RunningServer, path: str, body: dict) -> tuple[str, list[str]]:
+    """The joined text of a stream's chunks, and their finish reasons."""
+    connection, response = server.open_stream(path, {**body, "stream": True})
+    try:
+        events = [line[len("data: ") :] for line in response.read().decode().splitlines() if line.startswith("data: ")]
+    finally:
+        connection.close()
+    assert events[-1] == "[DONE]", events
+    choices = [json.loads(event)["choices"][0] for event in events[:-1] if json.loads(event).get("choices")]
+    pieces = [choice.get("delta", {}).get("content") or choice.get("text") or "" for choice in choices]
+    return "".join(pieces), [choice["finish_reason"] for choice in choices if choice.get("finish_reason")]
+
+
+@pytest.mark.parametrize("path", [CHAT, COMPLETIONS])
+def test_an_answer_ends_before_its_stop_string_whole_and_streamed(servers, path):
+    """OpenAI's API: "The returned text will not contain the stop sequence". transformers' server returned it, and
+    the rest of the token that completed it."""
+    server = servers["sequential"]
+    body = {"messages": HELLO} if path == CHAT else {"prompt": "Hello there"}
+    body |= {"max_tokens": 24, "temperature": 0}
+
+    def text_of(answer: dict) -> str:
+        choice = answer["choices"][0]
+        return choice["message"]["content"] if path == CHAT else choice["text"]
+
+    status, whole, _ = server.post(path, body)
+    assert status == 200, whole
+    text = text_of(whole)
+    # two letters past the first third (a random model's text holds replacement characters, which no token spells)
+    start = next(
+        i for i in range(len(text) // 3, len(text) - 1) if text[i : i + 2].isascii() and text[i : i + 2].isalpha()
+    )
+    stop = text[start : start + 2]
+    expected = text[: text.find(stop)]
+    status, answer, _ = server.post(path, {**body, "stop": ["never-in-it", stop]})
+    assert status == 200 and text_of(answer) == expected, (text, stop, answer)
+    assert answer["choices"][0]["finish_reason"] == "stop"
+    assert streamed_text(server, path, {**body, "stop": stop}) == (expected, ["stop"])

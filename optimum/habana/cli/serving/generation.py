@@ -37,6 +37,7 @@ from transformers.cli.serving.utils import (
 from .cache import wait_for_cache
 from .checks import RequestError, TokenRequest
 from .preparation import OnServerLoop
+from .stop_strings import StopStringQueue, cut_at_stop, stop_strings_of
 
 
 logger = logging.getLogger(__name__)
@@ -264,7 +265,21 @@ class BoundedStreaming:
 
 
 class BoundedGenerateManager(BoundedStreaming, GenerateManager):
-    """transformers' sequential manager (generate() on one thread), bounded and cancellable."""
+    """transformers' sequential manager (generate() on one thread), bounded and cancellable; its answers end before
+    the request's stop strings (`stop_strings`: continuous batching refuses `stop`)."""
+
+    def generate_streaming(
+        self,
+        model: PreTrainedModel,
+        processor: Any,
+        inputs: Any,
+        gen_config: GenerationConfig,
+        request_id: str,
+        response_parser: Any = None,
+    ) -> tuple[Any, Any]:
+        queue, streamer = super().generate_streaming(model, processor, inputs, gen_config, request_id, response_parser)
+        stops = stop_strings_of(gen_config)
+        return (StopStringQueue(queue, stops) if stops else queue), streamer
 
     async def generate_non_streaming(
         self, model: PreTrainedModel, processor: Any, inputs: Any, gen_config: GenerationConfig, request_id: str
@@ -273,7 +288,8 @@ class BoundedGenerateManager(BoundedStreaming, GenerateManager):
         if (flight := CURRENT_FLIGHT.get()) is not None:
             inputs = {**inputs, "stopping_criteria": StoppingCriteriaList([StopWhenCancelled(flight)])}
         generation = super().generate_non_streaming(model, processor, inputs, gen_config, request_id)
-        return await until_cancelled(generation)
+        text, prompt_length, generated = await until_cancelled(generation)
+        return cut_at_stop(text, stop_strings_of(gen_config))[0], prompt_length, generated
 
 
 def shared_generation_config(model_config: GenerationConfig) -> GenerationConfig:
