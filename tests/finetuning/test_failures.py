@@ -473,8 +473,14 @@ def test_step_counts_that_mean_something_in_transformers_are_accepted(extra, tmp
 def test_overwrite_output_dir_replaces_the_earlier_run(script, checkpoint, earlier_run, tmp_path):
     output_dir = shutil.copytree(earlier_run, tmp_path / "out")
     earlier_adapter = (output_dir / ADAPTER).read_bytes()
+    (output_dir / "eval_results.json").write_text('{"eval_loss": 1.0}')  # what an earlier run that evaluated left
+    (output_dir / "generations.json").write_text("[]")
+    (output_dir / "notes.txt").write_text("mine")
     script.main(script_args(checkpoint, output_dir, *TRAIN.split(), "--overwrite_output_dir", "--seed", "1"))
     assert (output_dir / ADAPTER).read_bytes() != earlier_adapter
+    assert not (output_dir / "eval_results.json").exists() and not (output_dir / "generations.json").exists()
+    assert "eval_loss" not in json.loads((output_dir / "all_results.json").read_text())
+    assert (output_dir / "notes.txt").read_text() == "mine"  # the user's own files stay
     assert (output_dir / ADAPTER).stat().st_mode & 0o777 == 0o666 & ~current_umask()  # safetensors writes 0600
     assert not [path for path in output_dir.iterdir() if path.name.startswith(".")]
 
@@ -550,7 +556,8 @@ def test_overwrite_then_resume_continues_the_new_run_not_the_earlier_one(
     with pytest.raises(SystemExit) as exit_info:
         script.main(script_args(checkpoint, output_dir, *run_b, "--overwrite_output_dir"), [InterruptAfterSave(1)])
     assert exit_info.value.code == 130
-    assert f"removed the earlier run's checkpoint-1, checkpoint-2 from {output_dir}" in caplog.text
+    removed = "checkpoint-1, checkpoint-2, all_results.json, train_results.json"  # the earlier run trained
+    assert f"removed the earlier run's {removed} from {output_dir}" in caplog.text
     assert sorted(path.name for path in output_dir.glob("checkpoint-*")) == ["checkpoint-1"]
     recorded = json.loads((output_dir / "checkpoint-1" / "trainer_state.json").read_text())
     assert recorded["stateful_callbacks"]["RunArguments"]["args"]["learning_rate"] == 5e-4

@@ -118,13 +118,23 @@ def check_overwrite_and_resume(overwrite: bool, resume: str | bool | None, outpu
         )
 
 
+# The earlier run's metrics and samples: a run that does not evaluate (or sample) would leave them beside its own
+# results, read as its own.
+RESULT_FILES = ("all_results.json", "train_results.json", "eval_results.json", "generations.json")
+
+
 def remove_earlier_checkpoints(output_dir: Path) -> None:
-    """What --overwrite_output_dir does first: no later --resume_from_checkpoint can continue the earlier run."""
+    """What --overwrite_output_dir does first: no later --resume_from_checkpoint can continue the earlier run, and
+    none of its results is left to be read as the new run's."""
     removed = remove_checkpoints(output_dir)
-    if removed:
+    results = [name for name in RESULT_FILES if (output_dir / name).is_file()]
+    for name in results:
+        (output_dir / name).unlink()
+    if removed or results:
         logger.warning(
-            "--overwrite_output_dir: removed the earlier run's %s from %s, so that no resume continues that run.",
-            ", ".join(removed),
+            "--overwrite_output_dir: removed the earlier run's %s from %s, so that no resume continues that run and "
+            "none of its results is read as this run's.",
+            ", ".join(removed + results),
             output_dir,
         )
 
