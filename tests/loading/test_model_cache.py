@@ -118,6 +118,18 @@ def damage_legacy_manifest(entry: Path) -> None:
     (entry / cache_manifest.MANIFEST_NAME).write_text("0123abcd  tiny.gguf\n")
 
 
+def damaged_records(*records):
+    """Valid JSON, records unlike write()'s: an empty one, a list, one without a hash, a path out of the folder."""
+
+    def damage(entry: Path) -> None:
+        path = entry / cache_manifest.MANIFEST_NAME
+        manifest = json.loads(path.read_text())
+        manifest["files"] |= dict(records)
+        path.write_text(json.dumps(manifest))
+
+    return damage
+
+
 @pytest.mark.parametrize(
     "damage, words",
     [
@@ -127,8 +139,23 @@ def damage_legacy_manifest(entry: Path) -> None:
         (damage_delete_manifest, ["no .complete manifest"]),
         (damage_junk_manifest, ["older version or damaged"]),
         (damage_legacy_manifest, ["older version or damaged"]),
+        (damaged_records(("config.json", {})), ["damaged", "its record of 'config.json'"]),
+        (damaged_records(("config.json", [1])), ["damaged", "'config.json'"]),
+        (damaged_records(("config.json", {"size": 2})), ["damaged", "'config.json'"]),
+        (damaged_records(("../elsewhere", {"size": 2, "sha256": "00"})), ["damaged", "'../elsewhere'"]),
     ],
-    ids=["truncated", "zeroed", "deleted weights", "deleted manifest", "junk manifest", "legacy manifest"],
+    ids=[
+        "truncated",
+        "zeroed",
+        "deleted weights",
+        "deleted manifest",
+        "junk manifest",
+        "legacy manifest",
+        "empty record",
+        "list record",
+        "record without hash",
+        "record out of the folder",
+    ],
 )
 def test_damaged_entry_is_reported_in_one_line_and_rebuilt(cache, conversions, gguf_file, caplog, damage, words):
     entry = resolve_model(str(gguf_file)).path

@@ -60,6 +60,8 @@ def verify(folder: Path) -> str | None:
 
     restamped = False
     for name, record in files.items():
+        if not _well_formed(name, record):  # valid JSON, but not what write() writes: converted again, not a crash
+            return f"its manifest {MANIFEST_NAME} is damaged (its record of {name!r} is not a size and a hash)"
         path = folder / name
         try:
             stamp = _stamp(path)
@@ -83,6 +85,17 @@ def verify(folder: Path) -> str | None:
         with contextlib.suppress(OSError):  # a read-only cache: verified anyway, hashed again next time
             atomic_write_text(manifest_path, json.dumps(manifest, indent=1, sort_keys=True) + "\n")
     return None
+
+
+def _well_formed(name: str, record: object) -> bool:
+    """A record as write() makes it: a relative path inside the folder, a size and a sha256."""
+    return (
+        not Path(name).is_absolute()
+        and ".." not in Path(name).parts
+        and isinstance(record, dict)
+        and isinstance(record.get("size"), int)
+        and isinstance(record.get("sha256"), str)
+    )
 
 
 def file_sha256(path: Path) -> str:
