@@ -5,6 +5,7 @@ Conversions are faked (a config.json and 64 KiB of weights) so that each case ru
 conversion is covered by tests/test_model_loading.py. Subprocesses only where a signal is the point.
 """
 
+import errno
 import json
 import logging
 import os
@@ -15,9 +16,10 @@ import time
 from pathlib import Path
 
 import pytest
+import transformers
 
 from optimum.habana.utils import cache_manifest, model_loading
-from optimum.habana.utils.model_loading import CACHE_ENV_VAR, resolve_model
+from optimum.habana.utils.model_loading import CACHE_ENV_VAR, ModelResolutionError, resolve_model
 from optimum.habana.utils.staging import make_staging_folder
 from tests.helpers import ROOT, write_gguf
 
@@ -305,3 +307,49 @@ def test_permissions_follow_the_umask(cache, conversions, gguf_file):
     assert entry.stat().st_mode & 0o777 == 0o750
     for path in entry.iterdir():
         assert path.stat().st_mode & 0o777 == 0o640, path
+
+
+# --- conversions that fail: one line each, nothing left behind ---------------------------------------------------
+
+
+def test_a_gguf_whose_tensors_contradict_its_metadata_is_one_line(cache, gguf_file):
+    """transformers raises a RuntimeError (its size mismatch) for this file's 4 x 8 tensor: reported as the file's
+    problem, as other damage is, not as a traceback."""
+    with pytest.raises(ModelResolutionError) as refused:
+        resolve_model(str(gguf_file))
+    message = str(refused.value)
+    assert "\n" not in message and "could not be converted (RuntimeError: " in message and "may be damaged" in message
+    assert not staging_left(cache) and not [entry for entry in (cache / "gguf").iterdir()]
+
+
+class Saving:
+    """A loaded model or tokenizer whose save fails with `error` as on a full disk (safetensors' SafetensorError,
+    tokenizers' bare Exception), or writes a file."""
+
+    def __init__(self, error: Exception | None = None) -> None:
+        self.error = error
+
+    def save_pretrained(self, folder) -> None:
+        if self.error is not None:
+            raise self.error
+        (Path(folder) / "config.json").write_text('{"model_type": "llama"}')
+
+
+@pytest.mark.parametrize("where", ["weights", "tokenizer", "manifest"])
+def test_a_full_disk_during_the_conversion_is_one_line_naming_the_cache(cache, gguf_file, monkeypatch, where):
+    full = Exception("No space left on device (os error 28)")
+    model, tokenizer = Saving(full if where == "weights" else None), Saving(full if where == "tokenizer" else None)
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", lambda *args, **kwargs: model)
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *args, **kwargs: tokenizer)
+    if where == "manifest":
+
+        def no_room(folder, source):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        monkeypatch.setattr(cache_manifest, "write", no_room)
+    with pytest.raises(ModelResolutionError) as refused:
+        resolve_model(str(gguf_file))
+    message = str(refused.value)
+    assert "\n" not in message and f"could not be written to {cache / 'gguf'}" in message
+    assert "No space left on device" in message and CACHE_ENV_VAR in message and "damaged" not in message
+    assert not staging_left(cache)

@@ -131,12 +131,15 @@ def test_interrupted_conversion_leaves_no_cache(tmp_path, cache_dir, monkeypatch
     gguf_path = write_gguf(tmp_path / "interrupted.gguf", arch="llama")
     before = set((cache_dir / "gguf").iterdir()) if (cache_dir / "gguf").exists() else set()
 
+    class Interrupted(Exception):
+        """Stands for what stops a conversion midway (Ctrl-C, a crash): it passes through unchanged."""
+
     def crash(gguf_path, output_dir):
         fake_convert(gguf_path, output_dir)
-        raise RuntimeError("interrupted")
+        raise Interrupted("interrupted")
 
     monkeypatch.setattr(model_loading, "_convert_gguf", crash)
-    with pytest.raises(RuntimeError, match="interrupted"):
+    with pytest.raises(Interrupted, match="interrupted"):
         resolve_model(str(gguf_path))
 
     assert set((cache_dir / "gguf").iterdir()) == before

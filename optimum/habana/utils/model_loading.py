@@ -228,15 +228,35 @@ def _convert_into(gguf_path: Path, digest: str, staging: Path, target: Path) -> 
     start = time.perf_counter()
     try:
         _convert_gguf(gguf_path, staging)
-    except (ValueError, KeyError, IndexError, OSError, struct.error) as error:
-        detail = (str(error).strip().splitlines() or [""])[0]
+        try:
+            _follow_umask(staging)
+            cache_manifest.write(staging, source=f"{digest}  {gguf_path.name}")
+        except OSError as error:
+            raise WriteFailed(error) from error
+    except WriteFailed as failed:
         raise ModelResolutionError(
-            f"The GGUF file {str(gguf_path)!r} could not be converted ({type(error).__name__}: {detail}); it may be "
-            f"damaged or truncated. {_HINT}"
+            f"The converted model could not be written to {staging.parent} ({_first_line(failed.error)}). Free "
+            f"space there, or set {CACHE_ENV_VAR} to a folder with room for it (about twice the .gguf's size)."
+        ) from failed.error
+    except (ValueError, KeyError, IndexError, OSError, RuntimeError, struct.error) as error:
+        # RuntimeError: transformers' size mismatch, for tensors whose shapes contradict the file's own metadata
+        raise ModelResolutionError(
+            f"The GGUF file {str(gguf_path)!r} could not be converted ({_first_line(error)}); it may be damaged or "
+            f"truncated. {_HINT}"
         ) from error
-    _follow_umask(staging)
-    cache_manifest.write(staging, source=f"{digest}  {gguf_path.name}")
     logger.info("Converted %s in %.1f s", gguf_path.name, time.perf_counter() - start)
+
+
+class WriteFailed(Exception):
+    """Writing the converted checkpoint failed (a full disk, most often), as opposed to reading the GGUF file."""
+
+    def __init__(self, error: BaseException) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+def _first_line(error: BaseException) -> str:
+    return f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0]}"
 
 
 def _private_conversion(gguf_path: Path, digest: str, root: Path, error: OSError) -> Path:
@@ -271,8 +291,11 @@ def _convert_gguf(gguf_path: Path, output_dir: Path) -> None:
             folder, gguf_file=name, dtype=torch.float32, quantization_config=GgufConfig(dequantize=True)
         )
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    model.save_pretrained(output_dir)
-    tokenizer.save_pretrained(output_dir)
+    try:
+        model.save_pretrained(output_dir)
+        tokenizer.save_pretrained(output_dir)
+    except Exception as error:  # a full disk: safetensors' SafetensorError, tokenizers' bare Exception, OSError
+        raise WriteFailed(error) from error
 
 
 def _move_into_place(staging: Path, target: Path) -> None:
