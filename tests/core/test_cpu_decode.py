@@ -4,6 +4,7 @@ leaves; built once per machine, atomically, and where it cannot be built, one wa
 
 import os
 import subprocess
+import sys
 import tempfile
 import warnings
 from collections import Counter
@@ -17,6 +18,7 @@ import torch.nn.functional as F
 from optimum.habana.kernels import cpu_decode, cpu_decode_library, split_context
 from optimum.habana.kernels.cpu_decode import cpu_decode_applies, cpu_decode_sdpa
 from optimum.habana.kernels.dispatch import fused_sdpa
+from optimum.habana.utils.staging import staging_path
 from tests.helpers import (
     build_pair,
     count_decode_kernel_calls,
@@ -583,3 +585,22 @@ def no_copy_as_long_as(length: int, monkeypatch):
 
         monkeypatch.setattr(module, name, spied)
     yield copies
+
+
+def dead_pid() -> int:
+    """The pid of a process that has exited (and been reaped)."""
+    finished = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    return int(finished.stdout)
+
+
+@needs_kernel
+def test_a_build_killed_midway_is_removed_by_the_next_build(fresh_build):
+    """A build writes its library under a name with its host and pid; one that `kill -9` stopped is removed by the
+    next build, one still running (this process's) is left alone."""
+    fresh_build.mkdir(parents=True)
+    running = staging_path(fresh_build, cpu_decode_library.BUILD_PREFIX)
+    killed = running.with_name(running.name.replace(f"~{os.getpid()}~", f"~{dead_pid()}~"))
+    killed.write_bytes(b"half a library")
+    running.write_bytes(b"being written")
+    assert cpu_decode.decode_kernel(64) is not None
+    assert not killed.exists() and running.exists()

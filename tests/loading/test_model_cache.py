@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -20,7 +21,7 @@ import transformers
 
 from optimum.habana.utils import cache_manifest, model_loading
 from optimum.habana.utils.model_loading import CACHE_ENV_VAR, ModelResolutionError, resolve_model
-from optimum.habana.utils.staging import make_staging_folder
+from optimum.habana.utils.staging import make_staging_folder, staging_path
 from tests.helpers import ROOT, write_gguf
 
 
@@ -271,8 +272,16 @@ def test_unusable_cache_falls_back_to_a_private_conversion_with_one_line(
     blocker = tmp_path / "a-file"
     blocker.write_text("in the way")
     monkeypatch.setenv(CACHE_ENV_VAR, str(blocker))
+    temporary = tmp_path / "tmp"  # the system's temporary folder, as far as this run knows
+    temporary.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temporary))
+    # what a private conversion killed by `kill -9` left (500 MB or more with a real model): removed by the next
+    ours = staging_path(temporary, model_loading._PRIVATE_PREFIX)
+    killed = ours.with_name(ours.name.replace(f"~{os.getpid()}~", f"~{dead_pid()}~"))
+    killed.mkdir()
     with caplog.at_level(logging.WARNING, logger=model_loading.__name__):
         resolved = resolve_model(str(gguf_file))
+    assert not killed.exists() and resolved.path.parent == temporary
     assert resolved.converted is True and blocker.read_text() == "in the way"
     assert not resolved.path.is_relative_to(blocker) and (resolved.path / "config.json").is_file()
     (record,) = caplog.records

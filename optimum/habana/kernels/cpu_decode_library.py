@@ -25,9 +25,12 @@ import torch
 
 from ..utils.atomic import atomic_write_text
 from ..utils.model_loading import cache_root
+from ..utils.staging import remove_stale_staging, staging_path
 
 
 SOURCE = Path(__file__).with_name("cpu_decode.c")
+# A library being compiled, named after its process: a build killed midway leaves it for a later build to remove.
+BUILD_PREFIX = ".build-"
 # Vectorisation without -ffast-math's assumption that nothing is infinite (masked scores are -inf).
 FLAGS = (
     "-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math", "-fno-signed-zeros",
@@ -54,7 +57,9 @@ def load_library(
             path, temporary = built_library(head_dim, value_dim, dtype, dtype_flag, rebuild=attempt == "rebuilt")
         except (OSError, subprocess.CalledProcessError) as error:
             details = (getattr(error, "stderr", "") or str(error)).strip().splitlines() or ["no output"]
-            return None, f"building it for {dtype} heads of {head_dim} failed: {details[-1]}"
+            # the linker's own reason (a full disk...), not GCC's "collect2: error: ld returned 1 exit status" after it
+            reason = next((line for line in reversed(details) if not line.startswith("collect2:")), details[-1])
+            return None, f"building it for {dtype} heads of {head_dim} failed: {reason}"
         try:
             library = _declared(ctypes.CDLL(str(path)))
         except (OSError, AttributeError) as error:
@@ -139,11 +144,12 @@ def built_library(
     temporary = False
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        descriptor, building = tempfile.mkstemp(prefix=f".{name}.", suffix=".so", dir=folder)
+        remove_stale_staging(folder, BUILD_PREFIX)  # what builds killed midway (kill -9) left
+        building = str(staging_path(folder, BUILD_PREFIX))
+        os.close(os.open(building, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
     except OSError:
         folder, temporary = Path(tempfile.mkdtemp(prefix="optimum-habana-kernels-")), True
-        descriptor, building = tempfile.mkstemp(prefix=f".{name}.", suffix=".so", dir=folder)
-    os.close(descriptor)
+        building = str(staging_path(folder, BUILD_PREFIX))
     command = [cc, *filter(None, flags), str(SOURCE), "-o", building]
     command += [str(openmp), f"-Wl,-rpath,{openmp.parent}", "-lm"]
     try:

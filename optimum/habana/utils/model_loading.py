@@ -34,7 +34,7 @@ from . import cache_manifest
 from .atomic import current_umask
 from .gguf_layout import read_gguf_layout
 from .gguf_parsing import parsed_once
-from .staging import STAGING_SUFFIX, make_staging_folder, remove_stale_staging
+from .staging import STAGING_SUFFIX, make_staging_folder, remove_entry, remove_stale_staging, staging_path
 from .weight_files import weight_file_problem
 
 
@@ -65,6 +65,7 @@ _LEGACY_STAGING_MAX_AGE_S = 6 * 3600
 _HUB_ALLOW_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt"]
 # Seconds to wait for the hub's metadata answer, so that an unreachable hub fails fast.
 _HUB_ETAG_TIMEOUT_S = 5
+_PRIVATE_PREFIX = "optimum-habana-gguf-"  # private conversions, in the system's temporary folder
 _HINT = "Pass a local checkpoint folder, a .gguf file or a hub repo id, or leave it out to use the default model."
 
 
@@ -260,8 +261,12 @@ def _first_line(error: BaseException) -> str:
 
 
 def _private_conversion(gguf_path: Path, digest: str, root: Path, error: OSError) -> Path:
-    """Convert into a temporary folder of this process, removed at exit, when the cache cannot be written."""
-    folder = Path(tempfile.mkdtemp(prefix="optimum-habana-gguf-"))
+    """Convert into a temporary folder of this process, removed at exit, when the cache cannot be written. Its name
+    carries this process's host and pid, so that a later run removes it when a `kill -9` left it (500 MB or more)."""
+    temporary = Path(tempfile.gettempdir())
+    remove_stale_staging(temporary, _PRIVATE_PREFIX)
+    folder = staging_path(temporary, _PRIVATE_PREFIX)
+    folder.mkdir()
     atexit.register(shutil.rmtree, folder, True)
     reason = error.strerror or type(error).__name__
     logger.warning(
@@ -305,7 +310,7 @@ def _move_into_place(staging: Path, target: Path) -> None:
         discarded = target.parent / f"{staging.name.removesuffix(STAGING_SUFFIX)}-discarded{STAGING_SUFFIX}"
         with contextlib.suppress(FileNotFoundError):  # another process discarded it first
             os.replace(target, discarded)
-        shutil.rmtree(discarded, ignore_errors=True)
+        remove_entry(discarded)  # a folder, or a file someone left in its place
     try:
         os.replace(staging, target)
     except OSError:

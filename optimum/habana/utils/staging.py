@@ -23,14 +23,28 @@ def make_staging_folder(parent: Path, prefix: str) -> Path:
     Unlike `tempfile.mkdtemp` (always 0700), the folder gets the permissions of any folder the user creates, so
     renaming it into a shared cache leaves it readable where the umask allows.
     """
-    name = f"{prefix}{_host()}~{os.getpid()}~{secrets.token_hex(4)}{STAGING_SUFFIX}"
-    folder = parent / name
+    folder = staging_path(parent, prefix)
     folder.mkdir()
     return folder
 
 
+def staging_path(parent: Path, prefix: str) -> Path:
+    """A new name `<prefix><host>~<pid>~<random>.tmp` in `parent`, for a file or folder this process writes:
+    `remove_stale_staging` removes it once this process is gone."""
+    return parent / f"{prefix}{_host()}~{os.getpid()}~{secrets.token_hex(4)}{STAGING_SUFFIX}"
+
+
+def remove_entry(path: Path) -> None:
+    """Remove a folder with what it holds, or a file; errors ignored (cleaning up must never stop a run)."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(OSError):
+            path.unlink()
+
+
 def remove_stale_staging(parent: Path, prefix: str, legacy_max_age_s: float | None = None) -> list[Path]:
-    """Remove the staging folders in `parent` whose process is gone; returns the folders removed.
+    """Remove the staging folders (and files) in `parent` whose process is gone; returns what was removed.
 
     A folder made on this host by a process that no longer exists is stale. A folder from another host is left
     alone (its process cannot be checked from here). Folders named `<prefix>...tmp` without host and pid (made
@@ -46,7 +60,7 @@ def remove_stale_staging(parent: Path, prefix: str, legacy_max_age_s: float | No
         if not (entry.name.startswith(prefix) and entry.name.endswith(STAGING_SUFFIX)):
             continue
         if _is_stale(entry, entry.name[len(prefix) : -len(STAGING_SUFFIX)], legacy_max_age_s):
-            shutil.rmtree(entry, ignore_errors=True)
+            remove_entry(entry)
             if not entry.exists():
                 removed.append(entry)
     return removed
@@ -84,4 +98,4 @@ def _host() -> str:
     return "localhost"
 
 
-__all__ = ["STAGING_SUFFIX", "make_staging_folder", "remove_stale_staging"]
+__all__ = ["STAGING_SUFFIX", "make_staging_folder", "remove_entry", "remove_stale_staging", "staging_path"]
