@@ -152,7 +152,9 @@ def _last_padding_query_answered(
     # a row with no key to attend to keeps its zero; its mask still lets one key through, so that no NaN is formed
     allowed = allowed | (positions == q_len - 1) & ~allowed.any(dim=-1, keepdim=True)
     options = {**options, "softmax_mode": "None"}  # one query a row: the exact softmax, as decode steps take it
-    last = fused_sdpa(query[:, :, -1:], key, value, allowed[:, None, None, :], is_causal=False, **options)
+    # contiguous: inductor's backward asserted the slice's strides as the first length's numbers once the length
+    # became dynamic (compiled training failed at its third sequence length)
+    last = fused_sdpa(query[:, :, -1:].contiguous(), key, value, allowed[:, None, None, :], is_causal=False, **options)
     last = torch.where(answers[:, None, None, None], last.to(output.dtype), output[:, :, -1:])
     return torch.cat([output[:, :, :-1], last], dim=2)
 
