@@ -244,7 +244,7 @@ async def until_cancelled(generation: Awaitable, cancel: Callable[[], None] | No
 
 class BoundedStreaming:
     """Mixed in before a transformers manager: a stream is bounded by the context (and the paged cache, where the
-    manager has one) and watched for the client going away."""
+    manager has one), watched for the client going away, and ends before the request's stop strings."""
 
     def cache(self) -> tuple[int, int] | None:
         return None
@@ -257,29 +257,17 @@ class BoundedStreaming:
         gen_config: GenerationConfig,
         request_id: str,
         response_parser: Any = None,
-    ) -> tuple[asyncio.Queue, Any]:
+    ) -> tuple[asyncio.Queue | StopStringQueue, Any]:
         bound_generation(model, inputs, gen_config, self.cache())
         queue, streamer = super().generate_streaming(model, processor, inputs, gen_config, request_id, response_parser)
         watch_stream(queue, streamer)
-        return queue, streamer
+        stops = stop_strings_of(gen_config)
+        return (StopStringQueue(queue, stops) if stops else queue), streamer
 
 
 class BoundedGenerateManager(BoundedStreaming, GenerateManager):
     """transformers' sequential manager (generate() on one thread), bounded and cancellable; its answers end before
     the request's stop strings (`stop_strings`: continuous batching refuses `stop`)."""
-
-    def generate_streaming(
-        self,
-        model: PreTrainedModel,
-        processor: Any,
-        inputs: Any,
-        gen_config: GenerationConfig,
-        request_id: str,
-        response_parser: Any = None,
-    ) -> tuple[Any, Any]:
-        queue, streamer = super().generate_streaming(model, processor, inputs, gen_config, request_id, response_parser)
-        stops = stop_strings_of(gen_config)
-        return (StopStringQueue(queue, stops) if stops else queue), streamer
 
     async def generate_non_streaming(
         self, model: PreTrainedModel, processor: Any, inputs: Any, gen_config: GenerationConfig, request_id: str
