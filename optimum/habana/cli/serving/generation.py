@@ -262,7 +262,7 @@ class BoundedStreaming:
         queue, streamer = super().generate_streaming(model, processor, inputs, gen_config, request_id, response_parser)
         watch_stream(queue, streamer)
         stops = stop_strings_of(gen_config)
-        return (StopStringQueue(queue, stops) if stops else queue), streamer
+        return (StopStringQueue(queue, stops, on_stop=streamer.cancel) if stops else queue), streamer
 
 
 class BoundedGenerateManager(BoundedStreaming, GenerateManager):

@@ -9,6 +9,7 @@ until the next text shows whether it is, and ends where one begins.
 
 import asyncio
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 
@@ -43,8 +44,10 @@ class StopStringQueue:
     come, after the text held back before them.
     """
 
-    def __init__(self, source: asyncio.Queue, stops: tuple[str, ...]) -> None:
-        self.source, self.stops = source, stops
+    def __init__(
+        self, source: asyncio.Queue, stops: tuple[str, ...], on_stop: Callable[[], None] = lambda: None
+    ) -> None:
+        self.source, self.stops, self.on_stop = source, stops, on_stop
         self.pending = ""  # text that may begin a stop string
         self.stopped = False
         self.ready: deque = deque()
@@ -71,6 +74,7 @@ class StopStringQueue:
         text, found = cut_at_stop(self.pending + item, self.stops)
         if found:
             self.stopped = True
+            self.on_stop()  # a stop string generate()'s own criterion missed (no token spells it): nothing more is read
             self.ready.extend([text, None] if text else [None])
             self.pending = ""
             return
