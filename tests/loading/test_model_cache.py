@@ -9,10 +9,12 @@ import errno
 import json
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -53,6 +55,11 @@ def conversions(monkeypatch) -> list[Path]:
 @pytest.fixture
 def gguf_file(tmp_path) -> Path:
     return write_gguf(tmp_path / "tiny.gguf", arch="llama")
+
+
+def entries(cache: Path) -> list[str]:
+    """What the cache's GGUF folder holds, but the lock files its entries keep beside them (one each, by design)."""
+    return sorted(path.name for path in (cache / "gguf").iterdir() if not path.name.endswith(".lock"))
 
 
 def staging_left(cache: Path) -> list[Path]:
@@ -247,7 +254,7 @@ def test_conversion_killed_then_rerun_converts_and_leaves_nothing_behind(cache, 
 
     rerun = resolve_model(str(gguf_file))
     assert rerun.converted is True and cache_manifest.verify(rerun.path) is None
-    assert [path.name for path in (cache / "gguf").iterdir()] == [rerun.path.name]
+    assert entries(cache) == [rerun.path.name]
 
 
 def test_concurrent_conversions_both_succeed_with_one_entry(cache, gguf_file, tmp_path):
@@ -260,7 +267,7 @@ def test_concurrent_conversions_both_succeed_with_one_entry(cache, gguf_file, tm
         paths.append(stdout.strip())
     assert paths[0] == paths[1]
     assert cache_manifest.verify(Path(paths[0])) is None
-    assert [path.name for path in (cache / "gguf").iterdir()] == [Path(paths[0]).name]
+    assert entries(cache) == [Path(paths[0]).name]
 
 
 # --- unusable cache location, permissions ------------------------------------------------------------------------
@@ -361,4 +368,42 @@ def test_a_full_disk_during_the_conversion_is_one_line_naming_the_cache(cache, g
     message = str(refused.value)
     assert "\n" not in message and f"could not be written to {cache / 'gguf'}" in message
     assert "No space left on device" in message and CACHE_ENV_VAR in message and "damaged" not in message
+    assert not staging_left(cache)
+
+
+def test_a_good_entry_put_in_place_during_anothers_check_is_never_discarded(
+    cache, conversions, gguf_file, monkeypatch
+):
+    """Two conversions of a damaged entry. While one hashes the damaged entry (a long check: same size, other bytes),
+    the other puts its good entry in place and returns it to its caller; the first must not then discard that
+    entry under the second's reader, as its stale verdict once made it do: the entry's lock orders the two."""
+    entry = resolve_model(str(gguf_file)).path
+    damage_zero(entry)
+    verify, checks, returned = cache_manifest.verify, [], {}
+
+    def other_process() -> None:
+        staging = make_staging_folder(entry.parent, model_loading._STAGING_PREFIX)
+        (staging / "config.json").write_text('{"model_type": "llama"}')
+        (staging / WEIGHTS).write_bytes(os.urandom(1 << 16))
+        cache_manifest.write(staging, source="the other process")
+        try:
+            model_loading._move_into_place(staging, entry)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)  # as resolve_model does: left where another's won
+        returned["inode"] = entry.stat().st_ino  # the entry its caller now loads
+
+    def checked_meanwhile(folder: Path):
+        answer = verify(folder)
+        checks.append(folder)
+        if folder == entry and len(checks) == 2:  # this conversion's check before it discards the damaged entry
+            other = threading.Thread(target=other_process)
+            other.start()
+            other.join(timeout=1)  # it finishes now, or waits for this one's lock
+            checks.append(other)
+        return answer
+
+    monkeypatch.setattr(cache_manifest, "verify", checked_meanwhile)
+    resolve_model(str(gguf_file))
+    checks[-1].join(timeout=30)
+    assert returned and entry.stat().st_ino == returned["inode"] and verify(entry) is None
     assert not staging_left(cache)

@@ -17,6 +17,7 @@ second. Converted checkpoints live under ``cache_root()/gguf/<first 16 hex digit
 
 import atexit
 import contextlib
+import fcntl
 import importlib.util
 import logging
 import os
@@ -24,6 +25,7 @@ import shutil
 import struct
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -304,19 +306,36 @@ def _convert_gguf(gguf_path: Path, output_dir: Path) -> None:
 
 
 def _move_into_place(staging: Path, target: Path) -> None:
-    """Rename the finished ``staging`` folder to ``target``, tolerating another process that finished first."""
-    if target.exists() and cache_manifest.verify(target) is not None:
-        # A damaged or incomplete folder: renamed aside first (atomic), so no reader ever sees it half-deleted.
-        discarded = target.parent / f"{staging.name.removesuffix(STAGING_SUFFIX)}-discarded{STAGING_SUFFIX}"
-        with contextlib.suppress(FileNotFoundError):  # another process discarded it first
-            os.replace(target, discarded)
-        remove_entry(discarded)  # a folder, or a file someone left in its place
-    try:
-        os.replace(staging, target)
-    except OSError:
-        # The rename fails when ``target`` is a non-empty folder: a concurrent conversion of the same file won.
-        if cache_manifest.verify(target) is not None:
-            raise
+    """Rename the finished ``staging`` folder to ``target``, tolerating another process that finished first.
+
+    Under the entry's lock: another conversion of the same file could otherwise put a good entry in place while this
+    one still hashes the damaged one it found, and this one would then discard the good entry under the other's
+    reader. Readers take no lock; only what puts an entry in place or removes one does.
+    """
+    with _entry_lock(target):
+        if target.exists() and cache_manifest.verify(target) is not None:
+            # A damaged or incomplete folder: renamed aside first (atomic), so no reader ever sees it half-deleted.
+            discarded = target.parent / f"{staging.name.removesuffix(STAGING_SUFFIX)}-discarded{STAGING_SUFFIX}"
+            with contextlib.suppress(FileNotFoundError):  # another process discarded it first
+                os.replace(target, discarded)
+            remove_entry(discarded)  # a folder, or a file someone left in its place
+        try:
+            os.replace(staging, target)
+        except OSError:
+            # The rename fails when ``target`` is a non-empty folder: a concurrent conversion of the same file won.
+            if cache_manifest.verify(target) is not None:
+                raise
+
+
+@contextlib.contextmanager
+def _entry_lock(target: Path) -> Iterator[None]:
+    """An exclusive lock of the cache entry among this host's processes (a lock file beside it, kept)."""
+    with open(target.parent / f".{target.name}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def _follow_umask(folder: Path) -> None:
