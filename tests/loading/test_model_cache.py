@@ -379,7 +379,7 @@ def test_a_good_entry_put_in_place_during_anothers_check_is_never_discarded(
     entry under the second's reader, as its stale verdict once made it do: the entry's lock orders the two."""
     entry = resolve_model(str(gguf_file)).path
     damage_zero(entry)
-    verify, checks, returned = cache_manifest.verify, [], {}
+    verify, checks, others, returned = cache_manifest.verify, [], [], {}
 
     def other_process() -> None:
         staging = make_staging_folder(entry.parent, model_loading._STAGING_PREFIX)
@@ -397,13 +397,14 @@ def test_a_good_entry_put_in_place_during_anothers_check_is_never_discarded(
         checks.append(folder)
         if folder == entry and len(checks) == 2:  # this conversion's check before it discards the damaged entry
             other = threading.Thread(target=other_process)
+            others.append(other)
             other.start()
             other.join(timeout=1)  # it finishes now, or waits for this one's lock
-            checks.append(other)
         return answer
 
     monkeypatch.setattr(cache_manifest, "verify", checked_meanwhile)
     resolve_model(str(gguf_file))
-    checks[-1].join(timeout=30)
+    (other,) = others
+    other.join(timeout=30)
     assert returned and entry.stat().st_ino == returned["inode"] and verify(entry) is None
     assert not staging_left(cache)

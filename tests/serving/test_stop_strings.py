@@ -1,10 +1,10 @@
-"""A stream's text cut at the request's stop strings (`cli/serving/stop_strings.py`), chunk by chunk."""
+"""A stream's text cut at the request's stop strings (`cli/serving/generation.py`), chunk by chunk."""
 
 import asyncio
 
 import pytest
 
-from optimum.habana.cli.serving.stop_strings import StopStringQueue, cut_at_stop, held_back
+from optimum.habana.cli.serving.generation import StopStringQueue, cut_at_stop, held_back
 
 
 class ToolCall:
