@@ -301,8 +301,10 @@ def test_damaged_entry_in_a_read_only_cache_is_converted_privately(cache, conver
     entry = resolve_model(str(gguf_file)).path
     damage_truncate(entry)
 
-    def read_only(parent, prefix):
-        raise PermissionError(13, "Permission denied", str(parent))
+    def read_only(parent, prefix):  # the cache's folder only: the private conversion's temporary one is writable
+        if parent.is_relative_to(cache):
+            raise PermissionError(13, "Permission denied", str(parent))
+        return make_staging_folder(parent, prefix)
 
     monkeypatch.setattr(model_loading, "make_staging_folder", read_only)
     with caplog.at_level(logging.WARNING, logger=model_loading.__name__):

@@ -291,8 +291,7 @@ def prepare_output_dir(output_dir: str, *, overwrite: bool, resuming: bool, can_
 def check_output_dir(output_dir: str, *, overwrite: bool, resuming: bool, can_resume: bool = True) -> None:
     """What `prepare_output_dir` refuses, told without creating or writing anything (`--explain`)."""
     path = Path(output_dir).expanduser()
-    if path.exists() and not path.is_dir():
-        raise OutputDirError(f"--output_dir {output_dir!r} is a file, not a folder; pass a folder.")
+    refuse_a_file(path, output_dir)
     existing = next(folder for folder in (path, *path.parents) if folder.exists())
     if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
         raise OutputDirError(
@@ -314,11 +313,15 @@ def refuse_earlier_run(path: Path, output_dir: str, *, overwrite: bool, resuming
         )
 
 
+def refuse_a_file(path: Path, output_dir: str, flag: str = "--output_dir") -> None:
+    if path.exists() and not path.is_dir():
+        raise OutputDirError(f"{flag} {output_dir!r} is a file, not a folder; pass a folder.")
+
+
 def writable_folder(output_dir: str, flag: str = "--output_dir") -> Path:
     """Create the folder if needed and prove it can be written (a temporary file), before any work goes into it."""
     path = Path(output_dir).expanduser()
-    if path.exists() and not path.is_dir():
-        raise OutputDirError(f"{flag} {output_dir!r} is a file, not a folder; pass a folder.")
+    refuse_a_file(path, output_dir, flag)
     try:
         path.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryFile(dir=path):

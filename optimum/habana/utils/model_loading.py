@@ -36,7 +36,7 @@ from . import cache_manifest
 from .atomic import current_umask
 from .gguf_layout import read_gguf_layout
 from .gguf_parsing import parsed_once
-from .staging import STAGING_SUFFIX, make_staging_folder, remove_entry, remove_stale_staging, staging_path
+from .staging import STAGING_SUFFIX, make_staging_folder, remove_entry, remove_stale_staging
 from .weight_files import weight_file_problem
 
 
@@ -267,8 +267,7 @@ def _private_conversion(gguf_path: Path, digest: str, root: Path, error: OSError
     carries this process's host and pid, so that a later run removes it when a `kill -9` left it (500 MB or more)."""
     temporary = Path(tempfile.gettempdir())
     remove_stale_staging(temporary, _PRIVATE_PREFIX)
-    folder = staging_path(temporary, _PRIVATE_PREFIX)
-    folder.mkdir()
+    folder = make_staging_folder(temporary, _PRIVATE_PREFIX)
     atexit.register(shutil.rmtree, folder, True)
     reason = error.strerror or type(error).__name__
     logger.warning(
