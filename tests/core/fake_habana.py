@@ -139,10 +139,14 @@ def install(monkeypatch, version: str = "1.18") -> FakeHabana:
             assert arguments["is_causal"] and mask is None, "valid_seq_len is accepted only with is_causal, no mask"
         if "seq_padding_type" in arguments:
             assert arguments["seq_padding_type"] in ("left", "right")
+        # The kernel trains when any of q, k, v needs a gradient (LoRA on v_proj alone trains through the value).
+        backward = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
+        if arguments.get("softmax_mode") == "fast" and arguments.get("recompute_mode") and backward:
+            assert arguments["is_causal"], "fast softmax in recompute training needs is_causal (the kernel raises)"
         if arguments.get("sink") is not None:
             assert arguments["recompute_mode"] is True, "only the recompute variant reads the sinks"
             assert arguments["sink"].shape == (query.shape[1],), "one sink logit per query head"
-            grad = torch.is_grad_enabled() and (query.requires_grad or arguments["sink"].requires_grad)
+            grad = backward or (torch.is_grad_enabled() and arguments["sink"].requires_grad)
             assert not grad, "its backward returns no gradient for the sinks: inference only"
             assert arguments["return_dropout_mask"] is False and arguments["return_attn_probs"] is False
             assert arguments["window_size"] == (-1, -1)

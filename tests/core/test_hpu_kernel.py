@@ -181,6 +181,41 @@ def test_training_recompute_and_gradients(model, monkeypatch):
     assert state.calls and all(call.arguments["recompute_mode"] is True for call in state.calls)
 
 
+def test_fast_softmax_in_recompute_training_through_the_value_alone_takes_the_exact_softmax(model, monkeypatch):
+    """LoRA on v_proj alone: the query and key need no gradient, the value does, and FusedSDPA trains (it raises for
+    fast softmax with recompute and a mask). The padded batch's masked calls get the exact softmax, with one warning,
+    and the value projections' gradients are the default path's."""
+    inputs = batch([9, 6])
+    trained = [parameter for name, parameter in model.named_parameters() if "v_proj" in name]
+
+    def value_gradients(**flags) -> list[torch.Tensor]:
+        model.train()
+        for parameter in model.parameters():
+            parameter.requires_grad_(False)
+        for parameter in trained:
+            parameter.requires_grad_(True)
+        try:
+            model(**inputs, labels=inputs["input_ids"], **flags).loss.backward()
+            return [parameter.grad.clone() for parameter in trained]
+        finally:
+            model.eval()
+            model.zero_grad(set_to_none=True)
+            for parameter in model.parameters():
+                parameter.requires_grad_(True)
+
+    expected = value_gradients()
+    state = gaudi(monkeypatch)
+    dispatch.warn_once.cache_clear()
+    flags = {"flash_attention_fast_softmax": True, "flash_attention_recompute": True}
+    with pytest.warns(UserWarning, match="fast softmax in recompute training needs is_causal") as record:
+        gradients = value_gradients(use_flash_attention=True, **flags)
+    assert len([warning for warning in record if "fast softmax" in str(warning.message)]) == 1
+    masked = [call for call in state.calls if not call.arguments["is_causal"]]
+    assert masked and all(call.arguments["softmax_mode"] == "None" for call in masked)
+    for got, want in zip(gradients, expected, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+
+
 def test_hpu_tensors_without_the_gaudi_software_fall_back_with_one_warning(model, monkeypatch):
     monkeypatch.setattr(dispatch, "on_hpu", lambda tensor: True)
     monkeypatch.setattr(hpu, "hpu_kernel", lambda: None)

@@ -137,10 +137,15 @@ def test_fused_sdpa_never_calls_itself(monkeypatch):
         assert len(calls) == 1
 
 
-@pytest.mark.parametrize("training", [False, True], ids=["inference: FusedSDPA's sinks", "training: a sink key"])
-def test_on_gaudi_the_sinks_go_to_fusedsdpa_or_one_more_key_with_equal_head_sizes(training, monkeypatch):
+@pytest.mark.parametrize(
+    "trained",
+    [None, "sinks", "value"],
+    ids=["inference: FusedSDPA's sinks", "training: a sink key", "training the value alone: a sink key"],
+)
+def test_on_gaudi_the_sinks_go_to_fusedsdpa_or_one_more_key_with_equal_head_sizes(trained, monkeypatch):
     """FusedSDPA takes one head size (the double checks it): a sink key widens the query and key, so the value is
-    padded to them; in inference a Gaudi software with the sink argument takes the sinks itself."""
+    padded to them; in inference a Gaudi software with the sink argument takes the sinks itself. The kernel trains
+    when any input needs a gradient (LoRA on v_proj alone): its backward knows no sinks, so those get a sink key."""
     from optimum.habana import hpu
     from tests.core import fake_habana
 
@@ -149,7 +154,9 @@ def test_on_gaudi_the_sinks_go_to_fusedsdpa_or_one_more_key_with_equal_head_size
     monkeypatch.setattr(dispatch, "on_hpu", lambda tensor: True)
     try:
         query, key, value, mask = call(q_len=40)
-        sinks = SINKS.clone().requires_grad_(training)
+        training = trained is not None
+        sinks = SINKS.clone().requires_grad_(trained == "sinks")
+        value.requires_grad_(trained == "value")
         path = dispatch.kernel_path(query, key, value, None, is_causal=True, dropout_p=0.0, sinks=sinks)
         assert path == KernelPath(training, False, training, "FusedSDPA")
         with torch.set_grad_enabled(training):

@@ -123,7 +123,7 @@ def kernel_path(
         return value.shape[-1] != query.shape[-1] + (SINK_COLUMNS if sink_key else 0)
 
     if on_hpu(query):
-        sink_key = sinks is not None and not kernel_takes_sinks(query, key, sinks)
+        sink_key = sinks is not None and not kernel_takes_sinks(query, key, value, sinks)
         query_rows = decode_step and grouped and (sinks is None or sink_key)  # FusedSDPA's sinks: one per query head
         return KernelPath(sink_key, query_rows, unequal_widths(sink_key), "FusedSDPA")
     query_rows = decode_step and grouped
@@ -233,14 +233,20 @@ def fused_sdpa(
     return output[:, :, dropped_rows:]
 
 
-def kernel_takes_sinks(query: torch.Tensor, key: torch.Tensor, sinks: torch.Tensor) -> bool:
+def needs_backward(*tensors: torch.Tensor) -> bool:
+    """Whether a kernel call is a training call: FusedSDPA decides so when any of its inputs needs a gradient (LoRA on
+    `v_proj` alone trains through the value only)."""
+    return torch.is_grad_enabled() and any(tensor.requires_grad for tensor in tensors)
+
+
+def kernel_takes_sinks(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, sinks: torch.Tensor) -> bool:
     """Whether the device's kernel takes these sinks itself: FusedSDPA of a Gaudi software that has the argument, in
     inference (its backward pass returns no gradient for them), one logit per head. Elsewhere `sinks.py` adds them,
     but for the CPU decode kernel's calls (`kernel_path`)."""
     if not on_hpu(query):
         return False
     kernel = hpu_kernel()
-    grad = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or sinks.requires_grad)
+    grad = needs_backward(query, key, value, sinks)
     return kernel is not None and kernel.takes_sinks and not grad and sinks.dim() == 1
 
 
@@ -294,7 +300,7 @@ def _hpu_fused_sdpa(
     padding_side: PaddingSide,
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    if softmax_mode == "fast" and recompute and not is_causal and query.requires_grad:
+    if softmax_mode == "fast" and recompute and not is_causal and needs_backward(query, key, value):
         warn_once("FusedSDPA's fast softmax in recompute training needs is_causal: the exact softmax is used.")
         softmax_mode = "None"
     if attn_mask is not None and attn_mask.dtype == torch.bool:

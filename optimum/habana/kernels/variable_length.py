@@ -87,7 +87,7 @@ def padded_causal_sdpa(
     inference = not (query.requires_grad or key.requires_grad or value.requires_grad)
     valid_length_mode = dispatch.on_hpu(query) and inference and prompt.side != "none" and not (window or chunk)
     if sinks is not None:
-        valid_length_mode = valid_length_mode and dispatch.kernel_takes_sinks(query, key, sinks)
+        valid_length_mode = valid_length_mode and dispatch.kernel_takes_sinks(query, key, value, sinks)
     valid_lengths = prompt.lengths if valid_length_mode else None
     options = {
         "scale": scale,
