@@ -103,7 +103,10 @@ def wrap_in_hpu_graph(
 
         def forward(*args, **kwargs):
             input_ids = kwargs.get("input_ids", args[0] if args else None)
-            is_prompt = input_ids is not None and input_ids.shape[-1] > 1
+            embeds = kwargs.get("inputs_embeds")  # a prompt given as embeddings (generate()'s inputs_embeds)
+            is_prompt = (input_ids is not None and input_ids.shape[-1] > 1) or (
+                embeds is not None and embeds.shape[-2] > 1
+            )
             return eager_forward(*args, **kwargs) if is_prompt else graph_forward(*args, **kwargs)
 
         model.forward = forward

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
+from transformers.cache_utils import Cache
 
 from optimum.habana.utils.graph_capture import HostReads
 
@@ -81,6 +82,30 @@ def input_hash(value) -> int:
     if isinstance(value, torch.Tensor):
         return hash((tuple(value.shape), value.dtype))
     return hash(value)
+
+
+def host_numbers(value) -> list[tuple[object, dict]]:
+    """The Python numbers (ints, floats, bools, None) of the KV caches among a forward's inputs, and of their layers:
+    a replayed HPU graph runs no Python, so it neither reads nor changes them."""
+    if isinstance(value, dict):
+        return [found for item in value.values() for found in host_numbers(item)]
+    if isinstance(value, (list, tuple)):
+        return [found for item in value for found in host_numbers(item)]
+    if not isinstance(value, Cache):
+        return []
+    return [
+        (
+            holder,
+            {name: number for name, number in vars(holder).items() if isinstance(number, (int, float, type(None)))},
+        )
+        for holder in (value, *getattr(value, "layers", ()))
+    ]
+
+
+def set_host_numbers(numbers: list[tuple[object, dict]]) -> None:
+    for holder, values in numbers:
+        for name, number in values.items():
+            setattr(holder, name, number)
 
 
 def reference_sdpa(query, key, value, attn_mask, is_causal, scale, valid_seq_len, seq_padding_type, sink=None):
@@ -197,14 +222,27 @@ def install(monkeypatch, version: str = "1.18") -> FakeHabana:
 
     def wrap_in_hpu_graph(module, max_graphs=None, **options):
         """Record a graph per input signature and replay it. A recorded graph holds the launches only: a host read
-        while recording (or replaying: nothing runs Python then) fails the call, as it breaks the real contract."""
+        while recording (or replaying: nothing runs Python then) fails the call, as it breaks the real contract.
+        A replay runs the forward with the caches' Python numbers as they were when the graph was recorded (the
+        branches and sizes the recording took), and leaves them as they were before the call."""
         eager_forward = module.forward
+        recorded: dict[int, list] = {}
 
         def forward(*args, **kwargs):
             key = input_hash((args, kwargs))
             state.graphs[key] = state.graphs.get(key, -1) + 1
-            with HostReads(forbid=True, what="an HPU graph (wrap_in_hpu_graph)"):
-                return eager_forward(*args, **kwargs)
+            before = host_numbers((args, kwargs))
+            replay = key in recorded
+            if replay:
+                set_host_numbers(recorded[key])
+            else:
+                recorded[key] = before
+            try:
+                with HostReads(forbid=True, what="an HPU graph (wrap_in_hpu_graph)"):
+                    return eager_forward(*args, **kwargs)
+            finally:
+                if replay:
+                    set_host_numbers(before)
 
         module.forward = forward
         return module

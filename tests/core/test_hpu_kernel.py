@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-from optimum.habana import GaudiLlamaForCausalLM, hpu
+from optimum.habana import GaudiLlamaForCausalLM, gaudi_model_class, hpu
 from optimum.habana.kernels import dispatch
 from tests.core import fake_habana
-from tests.helpers import left_padded_batch, tiny_llama_config
+from tests.helpers import build_pair, left_padded_batch, tiny_llama_config
 
 
 LAYERS = 2
@@ -249,6 +249,36 @@ def test_hpu_graphs_record_no_host_read(model, monkeypatch, flags, cache_impleme
     assert torch.equal(tokens, expected)
     if cache_implementation == "static":
         assert sorted(state.graphs.values()) == ([0, NEW_TOKENS - 2] if prompt_in_graph else [NEW_TOKENS - 2])
+
+
+@pytest.mark.parametrize(
+    "family, local",
+    [
+        ("mistral", {"sliding_window": 5}),
+        ("gemma3_text", {"sliding_window": 5, "sliding_window_pattern": 2}),
+        ("llama4_text", {"attention_chunk_size": 5}),
+    ],
+    ids=["sliding window", "alternating windows", "chunks"],
+)
+def test_hpu_graphs_replay_decode_steps_past_a_window(monkeypatch, family, local):
+    """A replayed graph runs no Python: the double replays with the caches' Python numbers as they were recorded.
+    transformers' static window layers count their tokens in Python inside the forward (one branch to fill, another
+    to roll); on Gaudi the cache's window layers hold the whole length and the mask applies the window, so the steps
+    past the window are the default path's, logits included."""
+    ours, _ = build_pair(family, **local)
+    inputs = batch([4, 7, 6])
+    settings = {"max_new_tokens": 6, "min_new_tokens": 6, "do_sample": False, "pad_token_id": 0}
+    settings |= {"output_logits": True, "return_dict_in_generate": True}
+    expected = ours.generate(**inputs, **settings)
+    state = gaudi(monkeypatch)
+    graphed = gaudi_model_class(family)(ours.config).eval()
+    graphed.load_state_dict(ours.state_dict())
+    graphed = hpu.wrap_in_hpu_graph(graphed)
+    found = graphed.generate(**inputs, **settings, use_flash_attention=True)
+    assert sorted(state.graphs.values()) == [0, 4]  # the prompt's graph, and one decode graph replayed 4 times
+    assert torch.equal(found.sequences, expected.sequences)
+    for step, (logits, reference) in enumerate(zip(found.logits, expected.logits, strict=True)):
+        torch.testing.assert_close(logits, reference, rtol=1e-4, atol=1e-4, msg=f"step {step}")
 
 
 @pytest.mark.parametrize("cache_implementation", [None, "static"], ids=["default cache", "static"])

@@ -265,8 +265,31 @@ def test_limit_hpu_graphs_keeps_the_prompt_out_of_the_graph(monkeypatch):
     monkeypatch.setitem(sys.modules, "habana_frameworks.torch.hpu", fake)
     torch.manual_seed(0)
     model = hpu.wrap_in_hpu_graph(GaudiLlamaForCausalLM(tiny_config("llama")).eval(), prompt_in_graph=False)
-    model.generate(input_ids=torch.randint(3, 100, (1, 5)), max_new_tokens=4, min_new_tokens=4, do_sample=False)
+    prompt = torch.randint(3, 100, (1, 5))
+    model.generate(input_ids=prompt, max_new_tokens=4, min_new_tokens=4, do_sample=False)
     assert recorded == ["graph"] * 3  # four forwards: the prompt eagerly, three decode steps through the graph
+    recorded.clear()
+    embeds = model.get_input_embeddings()(prompt)
+    model.generate(inputs_embeds=embeds, max_new_tokens=4, min_new_tokens=4, do_sample=False)
+    assert recorded == ["graph"] * 3  # a prompt given as embeddings runs eagerly too
+
+
+@pytest.mark.parametrize(
+    "flags, full_layer_elsewhere",
+    [(["--use_hpu_graphs", "--reuse_cache"], "StaticLayer"), (["--use_hpu_graphs", "--bucket_size", "4"], None)],
+    ids=["reused static", "bucketed"],
+)
+def test_on_gaudi_the_scripts_caches_hold_window_layers_at_full_length(flags, full_layer_elsewhere):
+    """HPU graphs replay no Python: transformers' static window layers, which branch on a Python count inside the
+    forward, would write past their window on a replay. On Gaudi every layer of a cache the script builds is a
+    bucketed full-length one (the mask applies the window; generate()'s own are tested in test_hpu_kernel.py);
+    elsewhere the window layers stay transformers' own."""
+    config = tiny_config("gemma3_text", sliding_window=4, sliding_window_pattern=2, num_hidden_layers=2)
+    elsewhere = ["StaticSlidingWindowLayer", full_layer_elsewhere or "BucketedStaticLayer"]
+    for device, expected in ((torch.device("hpu"), ["BucketedStaticLayer"] * 2), (torch.device("cpu"), elsewhere)):
+        layout = generation_config.kv_cache_layout(parse(flags), device)
+        cache = generation_config.KVCacheSupply(layout, config, max_cache_len=16)()
+        assert [type(layer).__name__ for layer in cache.layers] == expected
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -9,15 +9,18 @@ builds one graph per bucket, not one per step.
 
 The length is set outside the compiled region, before each forward, as a Python number (no device sync):
 `GaudiAttentionMixin.prepare_inputs_for_generation` calls `prepare_for_new_tokens` in `generate()`; callers of
-`forward` call it themselves. Sliding-window layers keep transformers' own fixed-size static layers, which roll:
-a cache of those alone takes tokens past `max_cache_len`, as stock's does.
+`forward` call it themselves. Sliding-window and chunked layers keep transformers' own fixed-size static layers,
+which roll: a cache of those alone takes tokens past `max_cache_len`, as stock's does. Those branch on a Python count
+inside the forward, which a replayed HPU graph never advances: with `full_length_windows` (Gaudi) they are
+bucketed full-length layers too, their window or chunk applied by the layer's mask (Optimum-Habana's cache holds every
+layer's whole length likewise).
 """
 
 import math
 
 import torch
 from transformers import PreTrainedConfig
-from transformers.cache_utils import StaticCache, StaticLayer
+from transformers.cache_utils import StaticCache, StaticLayer, StaticSlidingWindowLayer
 from transformers.utils import is_torchdynamo_compiling
 
 
@@ -80,13 +83,19 @@ class BucketedStaticCache(StaticCache):
     """
 
     def __init__(
-        self, config: PreTrainedConfig, max_cache_len: int, bucket_size: int, preallocate: bool = True
+        self,
+        config: PreTrainedConfig,
+        max_cache_len: int,
+        bucket_size: int,
+        preallocate: bool = True,
+        full_length_windows: bool = False,
     ) -> None:
         if bucket_size < 1:
             raise ValueError(f"bucket_size must be at least 1, got {bucket_size}.")
         super().__init__(config=config, max_cache_len=max_cache_len)
+        bucketed = (StaticLayer, StaticSlidingWindowLayer) if full_length_windows else (StaticLayer,)
         self.layers = [
-            BucketedStaticLayer(max_cache_len, bucket_size, preallocate) if type(layer) is StaticLayer else layer
+            BucketedStaticLayer(max_cache_len, bucket_size, preallocate) if type(layer) in bucketed else layer
             for layer in self.layers
         ]
         self.bucket_size = bucket_size

@@ -65,12 +65,14 @@ def build_generation_config(
 
 @dataclass(frozen=True)
 class CacheLayout:
-    """The KV cache a run uses: none, dynamic, static, or bucketed static; reused across runs or not."""
+    """The KV cache a run uses: none, dynamic, static, or bucketed static; reused across runs or not. On Gaudi its
+    sliding-window and chunked layers hold the whole length too (`BucketedStaticCache`'s `full_length_windows`)."""
 
     kind: str
     reused: bool = False
     bucket_size: int | None = None
     preallocated: bool = False
+    full_length_windows: bool = False
 
     def describe(self, max_cache_len: int) -> str:
         if self.kind == "none":
@@ -91,13 +93,18 @@ def kv_cache_layout(arguments: ScriptArguments, device: torch.device) -> CacheLa
     workload, execution = arguments.workload, arguments.execution
     if not workload.use_kv_cache:
         return CacheLayout("none")
+    on_gaudi = device.type == "hpu"
     if execution.bucket_size > 0:
         return CacheLayout(
-            "bucketed", execution.reuse_cache, execution.bucket_size, preallocated=execution.bucket_internal
+            "bucketed",
+            execution.reuse_cache,
+            execution.bucket_size,
+            preallocated=execution.bucket_internal,
+            full_length_windows=on_gaudi,
         )
-    graphs = execution.use_hpu_graphs and device.type == "hpu"
+    graphs = execution.use_hpu_graphs and on_gaudi
     if execution.static_shapes or execution.torch_compile or execution.reuse_cache or graphs:
-        return CacheLayout("static", execution.reuse_cache)
+        return CacheLayout("static", execution.reuse_cache, full_length_windows=on_gaudi)
     return CacheLayout("dynamic")
 
 
@@ -119,9 +126,16 @@ class KVCacheSupply:
             self._cache.reset()
             return self._cache
         self.allocations += 1
-        if self.layout.kind == "bucketed":
+        if self.layout.kind == "bucketed" or self.layout.full_length_windows:
+            # On Gaudi a static cache is one bucket of the whole length: transformers' rolling window layers would
+            # branch on a Python count that a replayed HPU graph never advances.
+            bucket_size = self.layout.bucket_size if self.layout.kind == "bucketed" else self.max_cache_len
             self._cache = BucketedStaticCache(
-                self.model_config, self.max_cache_len, self.layout.bucket_size, preallocate=self.layout.preallocated
+                self.model_config,
+                self.max_cache_len,
+                bucket_size,
+                preallocate=self.layout.preallocated or self.layout.kind == "static",
+                full_length_windows=self.layout.full_length_windows,
             )
         else:
             self._cache = StaticCache(config=self.model_config, max_cache_len=self.max_cache_len)

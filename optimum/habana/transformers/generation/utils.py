@@ -107,7 +107,8 @@ class GaudiGenerationMixin:
         - a `StaticCache` becomes a `BucketedStaticCache` (a `StaticCache` of the same layers and length) attended
           over its filled slots: exactly when the step runs eagerly, in buckets of `STATIC_SHAPES_BUCKET` tokens
           when generate() compiles it (one graph per bucket);
-        - on Gaudi, where shapes must stay static (lazy mode, HPU graphs), the default cache is that bucketed one.
+        - on Gaudi, where shapes must stay static (lazy mode, HPU graphs), the default cache is that bucketed one,
+          its window layers at the whole length too (a replayed graph never advances their Python count).
         A cache the caller passed, an offloaded one, a chunked prefill's, or one that would become bucketed in a
         generation that returns attention weights (their last dimension is the cache's length, which buckets
         change) is left as it is.
@@ -136,7 +137,9 @@ class GaudiGenerationMixin:
                 model_kwargs, generation_config
             )
             bucket_size = STATIC_SHAPES_BUCKET if static_shapes or compiled else 1
-            cache = BucketedStaticCache(config, max_cache_len, bucket_size, preallocate=True)
+            cache = BucketedStaticCache(
+                config, max_cache_len, bucket_size, preallocate=True, full_length_windows=static_shapes
+            )
         if generation_config.is_assistant:
             cache.activate_past_recording()
         model_kwargs["past_key_values"] = cache
