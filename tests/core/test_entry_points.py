@@ -6,7 +6,7 @@ import typing
 
 import pytest
 import torch
-from peft import LoraConfig, get_peft_model
+from peft import LoraConfig, PromptTuningConfig, get_peft_model
 from transformers import LlamaForCausalLM
 
 from optimum.habana import GaudiLlamaForCausalLM, gaudi_model_class
@@ -115,6 +115,57 @@ def test_peft_wrapper_and_gradient_checkpointing_through_the_decoder(monkeypatch
     hidden.sum().backward()
     assert recompute and all(recompute)
     assert len(recompute) == 2 * LAYERS  # forward, and its rerun in backward
+
+
+def prompt_tuned_pair(model_type: str, **overrides):
+    """PEFT's prompt tuning around the Gaudi class and around the stock one (its default SDPA), the same weights."""
+    ours, stock = build_pair(model_type, **overrides)
+    stock = type(stock)(tiny_config(model_type, **overrides)).eval()  # stock's default attention, not eager
+    stock.load_state_dict(ours.state_dict())
+    tuned = [
+        get_peft_model(model, PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=5))
+        for model in (ours, stock)
+    ]
+    tuned[0].load_state_dict(tuned[1].state_dict())
+    return tuned
+
+
+@pytest.mark.parametrize(
+    "model_type, overrides", [("llama", {}), ("mistral", {"sliding_window": 8})], ids=["llama", "sliding window"]
+)
+def test_prompt_tuning_generates_stocks_steps_from_a_left_padded_batch(model_type, overrides):
+    """PEFT prepends ones for its virtual tokens to the mask after the model read the prompt's padding side: a
+    left-padded row's padding is then in the middle. The decoder plans from the mask it gets, not the stale side."""
+    ours, stock = prompt_tuned_pair(model_type, **overrides)
+    inputs = left_padded_batch([10, 6])
+    settings = {"max_new_tokens": 5, "min_new_tokens": 5, "do_sample": False, "pad_token_id": 0}
+    settings |= {"output_logits": True, "return_dict_in_generate": True}
+    expected = stock.generate(**inputs, **settings)
+    found = ours.generate(**inputs, **settings, use_flash_attention=True)
+    assert torch.equal(found.sequences, expected.sequences)
+    for step, (logits, reference) in enumerate(zip(found.logits, expected.logits, strict=True)):
+        torch.testing.assert_close(logits, reference, rtol=1e-5, atol=1e-5, msg=f"step {step}")
+
+
+def test_prompt_tuning_trains_on_a_left_padded_batch_as_stock(monkeypatch):
+    """With its virtual tokens first, a left-padded row's last padding position attends to them under stock's mask,
+    and the loss reads it (it predicts the first real token): the flag's loss and gradients are stock's, fused."""
+    ours, stock = prompt_tuned_pair("llama")
+    inputs = left_padded_batch([10, 6])
+    labels = inputs["input_ids"].masked_fill(inputs["attention_mask"] == 0, -100)
+
+    def loss_and_gradients(model, **flags):
+        loss = model(**inputs, labels=labels, **flags).loss
+        loss.backward()
+        return loss.detach(), [parameter.grad for parameter in model.parameters() if parameter.requires_grad]
+
+    expected_loss, expected_gradients = loss_and_gradients(stock)
+    with count_attention_paths(monkeypatch, profile=False) as counts:
+        loss, gradients = loss_and_gradients(ours, use_flash_attention=True)
+    assert counts["fused"] == LAYERS and counts["default"] == 0
+    torch.testing.assert_close(loss, expected_loss, rtol=1e-6, atol=1e-6)
+    for gradient, expected in zip(gradients, expected_gradients, strict=True):
+        torch.testing.assert_close(gradient, expected, rtol=1e-5, atol=1e-7)
 
 
 def test_padding_free_batches_through_the_decoder_run_one_call_per_example(monkeypatch):

@@ -16,7 +16,7 @@ per call, before the graphed forwards, as Optimum-Habana computes its valid leng
 transformers' own masks are built here too, without their shortcuts, which read the mask on the host.
 """
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from transformers import PreTrainedConfig
@@ -33,6 +33,16 @@ from .families.qualification import family_runs_mask_free
 
 
 PADDING_SIDES = ("none", "left", "right", "any")
+
+
+class ReadPaddingSide(NamedTuple):
+    """generate()'s reading of a prompt's padding side, with the length of the mask it read. A wrapper's own
+    `prepare_inputs_for_generation` may change the mask after it (PEFT's prompt tuning prepends ones for its virtual
+    tokens, which puts a left-padded row's padding in the middle): the decoder then finds another length, and plans
+    from the mask it gets instead of the stale side."""
+
+    side: PromptPaddingSide
+    mask_length: int
 
 
 def plan_batch_layout(config: PreTrainedConfig, kwargs: dict[str, Any], dtype: torch.dtype) -> dict[str, Any]:
@@ -53,6 +63,9 @@ def plan_batch_layout(config: PreTrainedConfig, kwargs: dict[str, Any], dtype: t
 
 def _plan(config: PreTrainedConfig, kwargs: dict[str, Any]) -> dict[str, Any]:
     side = kwargs.pop("padding_side", None)
+    if isinstance(side, ReadPaddingSide):
+        mask = kwargs.get("attention_mask")
+        side = side.side if is_padding_mask(mask) and mask.shape[-1] == side.mask_length else None
     if side is not None and side not in PADDING_SIDES:
         raise ValueError(f"`padding_side` must be one of {', '.join(map(repr, PADDING_SIDES))}, got {side!r}.")
     input_ids, inputs_embeds = kwargs.get("input_ids"), kwargs.get("inputs_embeds")
@@ -80,6 +93,11 @@ def _plan(config: PreTrainedConfig, kwargs: dict[str, Any]) -> dict[str, Any]:
     if not (mask_free or causal_mask_mode):
         return {}
     prompt = padded_prompt(attention_mask, side)
+    if prompt.side == "any" and torch.is_grad_enabled() and host_reads_allowed(attention_mask):
+        # Padding found in the middle of rows, with gradients: the loss reads a padding position followed by a real
+        # token (it predicts that token), and stock gives it attention over the real keys before it (PEFT's prompt
+        # tuning puts its virtual tokens there). transformers' mask gives every position stock's value.
+        return {}
     if mask_free:  # transformers builds no mask: every layer runs the prompt causally over its real tokens
         return {"padded_prompt": prompt, "attention_mask": prompt.real[:, None, None, :]}
     return {"padded_prompt": prompt}  # windowed layers still read transformers' mask where the window is shorter
@@ -285,6 +303,7 @@ __all__ = [
     "padded_prompt",
     "padding_mask_is_all_it_needs",
     "padding_side_of",
+    "ReadPaddingSide",
     "paged_bounds",
     "paged_segments",
     "plan_batch_layout",

@@ -38,7 +38,7 @@ from .attention_flags import (
     pop_attention_flags,
     resolve_attention_flags,
 )
-from .batch_layout import is_padding_mask, padding_side_of, prompt_runs_mask_free
+from .batch_layout import ReadPaddingSide, is_padding_mask, padding_side_of, prompt_runs_mask_free
 from .cache import BucketedStaticCache
 from .continuous_batching import ChosenAttnImplementation, engine_flags, init_manager
 from .decoder_inputs import prepare_decoder_call
@@ -227,7 +227,7 @@ class GaudiAttentionMixin(GaudiGenerationMixin):
             and prompt_runs_mask_free(self.config, input_ids, bool(kwargs.get("flash_attention_causal_mask")))
         )
         if is_first_iteration and kwargs.get("use_flash_attention") and is_padding_mask(attention_mask):
-            kwargs["padding_side"] = padding_side_of(attention_mask)
+            kwargs["padding_side"] = ReadPaddingSide(padding_side_of(attention_mask), attention_mask.shape[-1])
         if isinstance(past_key_values, BucketedStaticCache):
             new_tokens = next_sequence_length
             if new_tokens is None:
