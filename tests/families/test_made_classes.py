@@ -5,12 +5,15 @@ import pickle
 import subprocess
 import sys
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 from optimum.habana import adapt_transformers_to_gaudi, gaudi_model_class
+from optimum.habana.transformers.families.qualification import causal_lm_model_types
+from optimum.habana.transformers.models import family_table
 from tests.families.support import LENGTHS, family_pair
-from tests.helpers import ROOT, left_padded_batch
+from tests.helpers import ROOT, in_make_test, left_padded_batch
 
 
 def test_a_made_class_pickles_and_a_fresh_process_finds_it(tmp_path):
@@ -43,3 +46,36 @@ def test_a_made_class_saves_loads_and_comes_from_the_auto_class(tmp_path):
     inputs = left_padded_batch(LENGTHS)
     with torch.no_grad():
         assert torch.equal(auto(**inputs).logits, ours(**inputs).logits)
+
+
+def qualifying_families() -> list[str]:
+    """Each qualifying model type with a Gaudi class of its own (`llama4` runs `llama4_text`'s)."""
+    table = family_table()
+    return [
+        model_type
+        for model_type in causal_lm_model_types()
+        if table[model_type].qualifies and gaudi_model_class(model_type).config_class.model_type == model_type
+    ]
+
+
+# Families whose checkpoints transformers converts by class name (GPT-NeoX's `embed_out`), by model type
+# (DeepSeek V4's `embed`), or initialises past the checkpoint (Falcon-H1's `mup_vector` buffer); the rest run in
+# `make test-families`.
+CONVERTED = {"gpt_neox", "deepseek_v4", "falcon_h1"}
+
+
+@pytest.mark.parametrize("model_type", in_make_test(qualifying_families(), CONVERTED))
+def test_checkpoints_cross_between_the_stock_class_and_ours(model_type, tmp_path):
+    """A stock checkpoint loads into the Gaudi class and a Gaudi one into the stock class: every key where stock puts
+    it, and stock's logits. transformers treated the Gaudi classes as custom code, which skips the checkpoint's key
+    conversions and the initialisation of what it lacks."""
+    ours, stock = family_pair(model_type)
+    inputs = left_padded_batch(LENGTHS)
+    for saved, reference, folder in ((stock, ours, "stock"), (ours, stock, "ours")):
+        saved.save_pretrained(tmp_path / folder)
+        loaded, info = type(reference).from_pretrained(
+            tmp_path / folder, attn_implementation="eager", output_loading_info=True
+        )
+        assert not info["missing_keys"] and not info["unexpected_keys"], info
+        with torch.no_grad():  # the same weights as the model of that class in memory: the same logits
+            torch.testing.assert_close(loaded.eval()(**inputs).logits, reference(**inputs).logits, msg=folder)

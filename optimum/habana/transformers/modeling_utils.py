@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from transformers import GenerationConfig, PreTrainedConfig, PreTrainedModel
 from transformers.cache_utils import Cache
+from transformers.conversion_mapping import get_checkpoint_conversion_mapping, register_checkpoint_conversion_mapping
 from transformers.generation.continuous_batching.cache import PagedAttentionCache
 from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.processing_utils import Unpack
@@ -48,6 +49,8 @@ from .generation import GaudiGenerationConfig, GaudiGenerationMixin
 from .latent_attention import keep_latent_compressed
 
 
+# The modules of the Gaudi classes this package defines (a user's subclass lives elsewhere).
+_OWN_MODULES = ("optimum.habana.",)
 # The `attn_implementation` values a Gaudi model accepts, and the default `use_flash_attention` each one sets
 # (None: leave it to the generation config).
 # generate() keyword arguments that its decoding loop reads and that stock generate() passes on to forward.
@@ -78,6 +81,8 @@ class GaudiAttentionMixin(GaudiGenerationMixin):
         stock_return = stock_forward.__annotations__.get("return")
         # Decided once per class, a constant to a compiled forward: MusicGen Melody's decoder takes no logits_to_keep.
         cls._stock_takes_logits_to_keep = "logits_to_keep" in inspect.signature(stock_forward).parameters
+        if cls.__module__.startswith(_OWN_MODULES):
+            _share_stock_conversions(cls)
         if "forward" in cls.__dict__:
             return
 
@@ -115,6 +120,16 @@ class GaudiAttentionMixin(GaudiGenerationMixin):
         self.__dict__["_generation_config"] = value
         if (view := self.__dict__.get("_attention_config_view")) is not None:
             view.model_generation_config = value
+
+    @classmethod
+    def is_custom_code(cls) -> bool:
+        """A Gaudi class is the stock modeling code with another attention: transformers must convert its checkpoints'
+        keys and initialise what a checkpoint lacks as for the stock class (custom code gets neither: GPT-NeoX's
+        `embed_out` stayed unloaded, Falcon-H1's `mup_vector` uninitialised). A user's subclass defined elsewhere is
+        custom code, as over a stock class."""
+        if cls.__module__.startswith(_OWN_MODULES):
+            return _stock_class(cls).is_custom_code()
+        return super().is_custom_code()
 
     @classmethod
     def _can_set_attn_implementation(cls) -> bool:
@@ -299,6 +314,14 @@ def _stock_class(gaudi_class: type) -> type[PreTrainedModel]:
         if issubclass(candidate, PreTrainedModel) and not issubclass(candidate, GaudiAttentionMixin):
             return candidate
     raise TypeError(f"{gaudi_class.__name__} mixes GaudiAttentionMixin into no transformers model class.")
+
+
+def _share_stock_conversions(gaudi_class: type) -> None:
+    """transformers looks a checkpoint's key conversions up by class name before model type (GPT-NeoX's `embed_out`
+    is `GPTNeoXForCausalLM`'s): the Gaudi class gets the stock class's, through transformers' registration."""
+    conversions = get_checkpoint_conversion_mapping(_stock_class(gaudi_class).__name__)
+    if conversions is not None:
+        register_checkpoint_conversion_mapping(gaudi_class.__name__, conversions, overwrite=True)
 
 
 def _load_gaudi_generation_config(
