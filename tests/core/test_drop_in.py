@@ -181,7 +181,7 @@ print("ok")
 
 
 def test_adapt_transformers_to_gaudi_registers_every_family():
-    from transformers import AutoModelForCausalLM
+    from transformers import CONFIG_MAPPING, AutoModelForCausalLM
 
     from optimum.habana import adapt_transformers_to_gaudi, gaudi_model_class, supported_model_types
     from tests.families.tiny_configs import tiny_family_config
@@ -189,12 +189,18 @@ def test_adapt_transformers_to_gaudi_registers_every_family():
     adapt_transformers_to_gaudi()
     for model_type in supported_model_types():
         gaudi_class = gaudi_model_class(model_type)
-        assert AutoModelForCausalLM._model_mapping[gaudi_class.config_class] is gaudi_class, model_type
+        # the model type's own config (a checkpoint's): `llama4` has the composite one, `internlm3` its own
+        for config_class in (CONFIG_MAPPING[model_type], gaudi_class.config_class):
+            assert AutoModelForCausalLM._model_mapping[config_class] is gaudi_class, (model_type, config_class)
     # Built through the Auto class: a written family, and one of each variant made from transformers' class.
     for model_type in ("llama", "gpt_oss", "deepseek_v3", "qwen3_next", "gemma4_text"):
         config_class = gaudi_model_class(model_type).config_class
         model = AutoModelForCausalLM.from_config(tiny_family_config(model_type, config_class))
         assert type(model) is gaudi_model_class(model_type)
+    # A published Llama 4 checkpoint's config is the composite one: its causal LM is the text model's Gaudi class.
+    text = tiny_family_config("llama4_text", gaudi_model_class("llama4").config_class)
+    model = AutoModelForCausalLM.from_config(CONFIG_MAPPING["llama4"](text_config=text.to_dict()))
+    assert type(model) is gaudi_model_class("llama4_text")
 
 
 def test_a_gaudi_model_survives_a_deep_copy(inputs, monkeypatch):

@@ -13,7 +13,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 import transformers
-from transformers import AutoModelForCausalLM
+from transformers import CONFIG_MAPPING, AutoModelForCausalLM
 
 from ...utils.atomic import atomic_write_text
 from ...utils.model_loading import cache_root
@@ -115,12 +115,16 @@ def gaudi_model_class(model_type: str) -> type[GaudiAttentionMixin]:
 def adapt_transformers_to_gaudi() -> None:
     """Make `AutoModelForCausalLM` build the Gaudi class of every supported family.
 
-    This goes through the Auto classes' public registry; no transformers class is modified, and models built
-    directly from the stock classes keep their stock attention.
+    This goes through the Auto classes' registry; no transformers class is modified, and models built directly from
+    the stock classes keep their stock attention. Each model type's own config class is registered, which is not
+    always the class's `config_class`: `llama4` and `qwen3_5` checkpoints carry the composite config, whose causal
+    LM is the text model's class; `internlm3` runs Llama's. (`AutoModelForCausalLM.register` refuses a config class
+    of another name, so the mapping's own `register` takes them.)
     """
     for model_type in supported_model_types():
         model_class = gaudi_model_class(model_type)
-        AutoModelForCausalLM.register(model_class.config_class, model_class, exist_ok=True)
+        for config_class in {model_class.config_class, CONFIG_MAPPING[model_type]}:
+            AutoModelForCausalLM._model_mapping.register(config_class, model_class, exist_ok=True)
 
 
 __all__ = [
