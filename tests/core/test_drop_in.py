@@ -39,6 +39,23 @@ def test_output_loading_info_returns_the_model_and_the_info(checkpoint):
     assert model.generation_config.__class__.__name__ == "GaudiGenerationConfig"
 
 
+@pytest.mark.parametrize("saved_flags", [False, True], ids=["stock checkpoint", "flags saved"])
+def test_generation_settings_given_to_from_pretrained_reach_the_generation_config(checkpoint, tmp_path, saved_flags):
+    """Stock applies from_pretrained's generation settings to the generation config it loads (a model that ends
+    at another token); the Gaudi class read the file again without them. Saved flags survive as well."""
+    if saved_flags:
+        model = GaudiLlamaForCausalLM.from_pretrained(checkpoint)
+        model.generation_config.use_flash_attention = True
+        model.save_pretrained(tmp_path)
+        checkpoint = tmp_path
+    settings = {"eos_token_id": 30, "pad_token_id": 5, "bos_token_id": 9, "output_hidden_states": True}
+    stock = LlamaForCausalLM.from_pretrained(checkpoint, **settings)
+    ours = GaudiLlamaForCausalLM.from_pretrained(checkpoint, **settings)
+    for name, value in settings.items():
+        assert getattr(ours.generation_config, name) == getattr(stock.generation_config, name) == value, name
+    assert ours.generation_config.use_flash_attention is (True if saved_flags else None)
+
+
 BUILDERS = {
     "from_pretrained": lambda checkpoint, name: GaudiLlamaForCausalLM.from_pretrained(
         checkpoint, attn_implementation=name

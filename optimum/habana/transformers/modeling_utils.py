@@ -209,12 +209,40 @@ class GaudiAttentionMixin(GaudiGenerationMixin):
             )
         loaded = super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
         model = loaded[0] if isinstance(loaded, tuple) else loaded  # (model, info) with output_loading_info=True
-        if not isinstance(model.generation_config, GaudiGenerationConfig):
+        if not isinstance(model.generation_config, GaudiGenerationConfig):  # a GGUF file: stock loads none
             model.generation_config = _load_gaudi_generation_config(
                 pretrained_model_name_or_path, model.generation_config, kwargs
             )
         model._apply_attn_implementation_default()
         return loaded
+
+    def adjust_generation_fn(
+        self,
+        generation_config: GenerationConfig | None,
+        from_auto_class: bool,
+        from_pipeline: Any,
+        pretrained_model_name_or_path: Any,
+        **kwargs: Any,
+    ) -> None:
+        """Stock's loading of the checkpoint's generation config, then the same read as a `GaudiGenerationConfig`,
+        with the same arguments: from_pretrained's generation settings (`eos_token_id=...`) are applied to it, as
+        stock applies them. Stock reads a plain GenerationConfig, which drops our flags from a file first derived
+        from the model config."""
+        super().adjust_generation_fn(
+            generation_config, from_auto_class, from_pipeline, pretrained_model_name_or_path, **kwargs
+        )
+        if isinstance(self.generation_config, GaudiGenerationConfig):
+            return
+        if generation_config is None and pretrained_model_name_or_path is not None:
+            loading = {name: value for name, value in kwargs.items() if name != "trust_remote_code"}
+            try:
+                self.generation_config = GaudiGenerationConfig.from_pretrained(
+                    pretrained_model_name_or_path, _from_auto=from_auto_class, _from_pipeline=from_pipeline, **loading
+                )
+                return
+            except OSError:
+                pass  # no generation_config.json: stock derived its config from the model config
+        self.generation_config = GaudiGenerationConfig.from_dict(self.generation_config.to_dict())
 
     def prepare_inputs_for_generation(
         self,
