@@ -252,3 +252,26 @@ def test_a_subclass_that_writes_its_own_forward_keeps_it(inputs, monkeypatch):
     assert counts["fused"] == LAYERS and counts["default"] == 0
     with torch.no_grad():
         torch.testing.assert_close(scaled, 2 * plain(**inputs, use_flash_attention=True).logits)
+
+
+@pytest.mark.parametrize("wrapped", [False, True], ids=["model", "under PEFT"])
+def test_trainers_label_smoothing_shifts_the_labels_as_for_the_stock_class(tmp_path, wrapped):
+    """transformers' Trainer shifts the labels of its label smoothing only for a class it finds by name among the
+    causal LMs: a Gaudi class was trained to predict the current token. Its repr still names the Gaudi class."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import Trainer, TrainingArguments
+
+    torch.manual_seed(0)
+    stock = LlamaForCausalLM(tiny_llama_config()).eval()
+    ours = GaudiLlamaForCausalLM(tiny_llama_config()).eval()
+    ours.load_state_dict(stock.state_dict())
+    assert repr(ours).startswith("GaudiLlamaForCausalLM(")
+    inputs = left_padded_batch([9, 6], seed=1)
+    inputs["labels"] = inputs["input_ids"].masked_fill(inputs["attention_mask"] == 0, -100)
+    arguments = TrainingArguments(tmp_path, label_smoothing_factor=0.1, report_to=[], use_cpu=True)
+    losses = []
+    for model in (stock, ours):
+        if wrapped:
+            model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=True))
+        losses.append(Trainer(model=model, args=arguments).compute_loss(model, dict(inputs)).detach())
+    torch.testing.assert_close(losses[1], losses[0])

@@ -131,6 +131,18 @@ class GaudiAttentionMixin(GaudiGenerationMixin):
             return _stock_class(cls).is_custom_code()
         return super().is_custom_code()
 
+    def _get_name(self) -> str:
+        """The stock class's name: transformers' Trainer shifts the labels of its label smoothing only for a class
+        it finds by name among the causal LMs (a Gaudi class's own name taught the model the current token). A user's
+        subclass keeps its own name, as over a stock class."""
+        if type(self).__module__.startswith(_OWN_MODULES):
+            return _stock_class(type(self)).__name__
+        return super()._get_name()
+
+    def __repr__(self) -> str:
+        # torch's repr starts with `_get_name()`: it names the Gaudi class still.
+        return type(self).__name__ + super().__repr__().removeprefix(self._get_name())
+
     @classmethod
     def _can_set_attn_implementation(cls) -> bool:
         # transformers reads the answer off the class's module source; the stock class's module is the one to read.
