@@ -4,11 +4,15 @@ Each test here is one of the ways the first `GaudiLlamaForCausalLM` was not a dr
 attention-function contract that keeps family features from being dropped.
 """
 
+import json
 import subprocess
 import sys
+import types
+from pathlib import Path
 
 import pytest
 import torch
+from huggingface_hub import ModelCard
 from transformers import LlamaForCausalLM
 
 from optimum.habana import GaudiLlamaForCausalLM, gaudi_attention_forward
@@ -275,3 +279,22 @@ def test_trainers_label_smoothing_shifts_the_labels_as_for_the_stock_class(tmp_p
             model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=True))
         losses.append(Trainer(model=model, args=arguments).compute_loss(model, dict(inputs)).detach())
     torch.testing.assert_close(losses[1], losses[0])
+
+
+def test_a_push_to_the_hub_uploads_config_json_naming_the_stock_class(tmp_path, monkeypatch):
+    """save_pretrained(push_to_hub=True) goes through push_to_hub, which saves through the Gaudi class's save (the
+    Hub is out of reach here: the upload is recorded)."""
+    uploaded = {}
+
+    def upload(self, save_directory, repo_id, files_timestamps, **kwargs):
+        uploaded["config"] = json.loads((Path(save_directory) / "config.json").read_text())
+        uploaded["repo_id"] = repo_id
+
+    monkeypatch.setattr(GaudiLlamaForCausalLM, "_upload_modified_files", upload)
+    hub_api = types.SimpleNamespace(create_repo=lambda repo_id, **kwargs: types.SimpleNamespace(repo_id=repo_id))
+    monkeypatch.setattr("transformers.utils.hub.hf_api", lambda: hub_api)
+    monkeypatch.setattr("transformers.utils.hub.create_and_tag_model_card", lambda *args, **kwargs: ModelCard(""))
+    model = GaudiLlamaForCausalLM(tiny_llama_config())
+    model.save_pretrained(tmp_path / "local", push_to_hub=True, repo_id="someone/tiny")
+    assert json.loads((tmp_path / "local" / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+    assert uploaded["repo_id"] == "someone/tiny" and uploaded["config"]["architectures"] == ["LlamaForCausalLM"]

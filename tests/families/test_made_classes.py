@@ -1,6 +1,7 @@
 """The classes made from transformers' own are drop-ins as the written ones are: they pickle (a fresh process finds
 them by name), save and load, and `adapt_transformers_to_gaudi()` hands them out through the Auto classes."""
 
+import json
 import pickle
 import subprocess
 import sys
@@ -67,12 +68,14 @@ CONVERTED = {"gpt_neox", "deepseek_v4", "falcon_h1"}
 @pytest.mark.parametrize("model_type", in_make_test(qualifying_families(), CONVERTED))
 def test_checkpoints_cross_between_the_stock_class_and_ours(model_type, tmp_path):
     """A stock checkpoint loads into the Gaudi class and a Gaudi one into the stock class: every key where stock puts
-    it, and stock's logits. transformers treated the Gaudi classes as custom code, which skips the checkpoint's key
+    it, config.json naming the stock class, and the same logits. transformers treated the Gaudi classes as custom code, which skips the checkpoint's key
     conversions and the initialisation of what it lacks."""
     ours, stock = family_pair(model_type)
     inputs = left_padded_batch(LENGTHS)
     for saved, reference, folder in ((stock, ours, "stock"), (ours, stock, "ours")):
         saved.save_pretrained(tmp_path / folder)
+        # the stock class by name, as tools that build it from config.json read it (`transformers serve`)
+        assert json.loads((tmp_path / folder / "config.json").read_text())["architectures"] == [type(stock).__name__]
         loaded, info = type(reference).from_pretrained(
             tmp_path / folder, attn_implementation="eager", output_loading_info=True
         )

@@ -17,6 +17,9 @@ the model transformers' own (same layers, weights, loading and saving, attention
 import copy
 import functools
 import inspect
+import json
+import os
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -26,8 +29,10 @@ from transformers.conversion_mapping import get_checkpoint_conversion_mapping, r
 from transformers.generation.continuous_batching.cache import PagedAttentionCache
 from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.processing_utils import Unpack
+from transformers.utils import CONFIG_NAME
 from transformers.utils.generic import TransformersKwargs
 
+from ..utils.atomic import atomic_write_text
 from .attention import ATTENTION_IMPLEMENTATION, FUSED_SDPA_IMPLEMENTATION, AttentionConfigView
 from .attention_flags import (
     ATTENTION_FLAG_NAMES,
@@ -227,6 +232,26 @@ class GaudiAttentionMixin(GaudiGenerationMixin):
             )
         model._apply_attn_implementation_default()
         return loaded
+
+    def save_pretrained(self, save_directory: str | os.PathLike, *args: Any, **kwargs: Any) -> None:
+        """Stock's save, its `config.json` naming the stock class (`architectures`), as a stock checkpoint does: tools
+        that build the class from that name (`transformers serve`, PEFT's `AutoPeftModel`) find no Gaudi class in
+        transformers. The Gaudi class loads it as before (by model type, after `adapt_transformers_to_gaudi()`).
+        A push to the Hub goes through `push_to_hub`, which saves through here."""
+        push = kwargs.pop("push_to_hub", False)
+        hub = {name: kwargs.pop(name) for name in ("repo_id", "commit_message", "create_pr") if name in kwargs}
+        super().save_pretrained(save_directory, *args, **kwargs)
+        saves = self.should_save_on_this_rank(kwargs.get("is_main_process", True))
+        if type(self).__module__.startswith(_OWN_MODULES):
+            stock_names = [_stock_class(type(self)).__name__]
+            self.config.architectures = stock_names
+            config_file = Path(save_directory) / CONFIG_NAME
+            if saves and config_file.is_file():  # not in PEFT's format, which saves no config
+                saved = json.loads(config_file.read_text(encoding="utf-8"))
+                text = json.dumps({**saved, "architectures": stock_names}, indent=2, sort_keys=True) + "\n"
+                atomic_write_text(config_file, text)
+        if push and saves:
+            self.push_to_hub(hub.pop("repo_id", Path(save_directory).name), token=kwargs.get("token"), **hub)
 
     def adjust_generation_fn(
         self,
