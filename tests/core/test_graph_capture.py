@@ -270,3 +270,25 @@ def test_inductor_compiled_training_with_the_flag_follows_the_sequence_lengths()
         torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
         for name, parameter in ours.named_parameters():
             torch.testing.assert_close(parameter.grad, expected_gradients[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_torch_jit_trace_of_a_grouped_query_forward_with_the_flag():
+    """torch.jit.trace (stock's SDPA traces): a traced size is a tensor, which PyTorch's kernel choice refused as
+    `enable_gqa`. The trace gives eager's logits."""
+    ours, _ = build_pair("llama")
+    assert ours.config.num_key_value_heads < ours.config.num_attention_heads
+    inputs = left_padded_batch([7, 7])
+
+    class Logits(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = ours
+
+        def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+            return self.model(
+                input_ids=input_ids, attention_mask=attention_mask, use_cache=False, use_flash_attention=True
+            ).logits
+
+    with torch.no_grad(), pytest.warns(torch.jit.TracerWarning):
+        traced = torch.jit.trace(Logits(), (inputs["input_ids"], inputs["attention_mask"]), check_trace=False)
+        torch.testing.assert_close(traced(inputs["input_ids"], inputs["attention_mask"]), Logits()(**inputs))

@@ -356,7 +356,7 @@ def _torch_fused_sdpa(
         "dropout_p": dropout_p,
         "is_causal": is_causal,
         "scale": scale,
-        "enable_gqa": key.shape[1] != query.shape[1],
+        "enable_gqa": bool(key.shape[1] != query.shape[1]),  # a traced size is a tensor (torch.jit.trace)
     }
     attend = functools.partial(F.scaled_dot_product_attention, query, key, value, **options)
     if torch.compiler.is_compiling():
