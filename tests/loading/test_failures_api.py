@@ -357,3 +357,24 @@ def test_a_misspelled_flag_is_named_with_the_flag_it_resembles(model_folder):
         model(ids, attn_softmax_fp16=True)
     with pytest.raises(TypeError, match=re.escape("`use_flash_attention` is not an argument of from_pretrained()")):
         GaudiLlamaForCausalLM.from_pretrained(model_folder, use_flash_attention=True)  # "unexpected keyword" before
+
+
+@pytest.mark.parametrize("route", ["config argument", "set on the model's config"])
+def test_a_flag_on_the_model_config_is_named_once_as_unread(route):
+    """Nothing reads the model config's flags (they are the generation config's): one warning says so and where
+    they go, and the default path runs as before."""
+    from optimum.habana.kernels import dispatch
+    from optimum.habana.transformers import GaudiLlamaForCausalLM
+    from tests.helpers import left_padded_batch, tiny_llama_config
+
+    if route == "config argument":
+        model = GaudiLlamaForCausalLM(tiny_llama_config(use_flash_attention=True)).eval()
+    else:
+        model = GaudiLlamaForCausalLM(tiny_llama_config()).eval()
+        model.config.use_flash_attention = True
+    dispatch.warn_once.cache_clear()
+    words = "config.use_flash_attention=True is not read: the attention flags are the generation config's"
+    with pytest.warns(UserWarning, match=re.escape(words)) as record, torch.no_grad():
+        model(**left_padded_batch([5, 3]))
+        model(**left_padded_batch([5, 3]))
+    assert len([warning for warning in record if "is not read" in str(warning.message)]) == 1

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..kernels.dispatch import warn_once
 from .attention import AttentionConfigView
 from .attention_flags import ATTENTION_FLAG_NAMES, attention_flags_of, check_flag_spelling, resolve_attention_flags
 from .batch_layout import plan_batch_layout
@@ -36,6 +37,7 @@ def prepare_decoder_call(
         kwargs = {**dict(zip(names, args, strict=True)), **kwargs}
     if not torch.compiler.is_compiling():  # once, eagerly: a misspelled flag is named, not carried to the layers
         check_flag_spelling(kwargs)
+        warn_of_flags_on_the_config(view.config)
     call_flags = {name: kwargs[name] for name in ATTENTION_FLAG_NAMES if name in kwargs}
     kwargs.update(resolve_attention_flags(call_flags, attention_flags_of(view.model_generation_config)).as_dict())
     config = decoder.config
@@ -49,6 +51,17 @@ def prepare_decoder_call(
         check_no_foreign_split()
     kwargs.update(plan_batch_layout(config, kwargs, decoder.dtype) if split is None else split.plan(config, kwargs))
     return (), kwargs
+
+
+def warn_of_flags_on_the_config(config: Any) -> None:
+    """A flag on the model config (`config.use_flash_attention = True`, a config.json that carries one) is read by
+    nothing: one warning names it and where it goes, rather than a flag that silently does nothing."""
+    for name in ATTENTION_FLAG_NAMES:
+        if name in vars(config):
+            warn_once(
+                f"config.{name}={getattr(config, name)!r} is not read: the attention flags are the generation "
+                f"config's (model.generation_config.{name} = ...) or a call's (generate(), forward())."
+            )
 
 
 def _forward_parameters(decoder_class: type) -> tuple[str, ...]:
