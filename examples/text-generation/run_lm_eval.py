@@ -133,6 +133,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         max_length=script.workload.max_input_tokens if script.workload.max_input_tokens > 0 else None,
         model_info={"model_source": loaded.resolved.description, "peft_model": script.model.peft_model},
     )
+    if lm.buckets is not None and lm.buckets.dropped:
+        longer = " ".join(map(str, lm.buckets.dropped))
+        print(
+            f"{parser.prog}: note: buckets {longer} exceed the max length {lm.max_length}: batches pad to it at most."
+        )
     try:
         check_num_fewshot_fits(evaluation.num_fewshot, pools, lm.max_length)
     except ValueError as error:
@@ -177,7 +182,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         memory = memory_stats(device)
         resident = " (peak resident memory of the process)" if device.type == "cpu" else ""
         print(f"Duration: {duration:.1f} s; peak memory: {format_bytes(memory['max_allocated'])}{resident}")
-        path = write_results(output_path, results)
+        path = write_results(output_path, results, evaluation.overwrite)
+        if path != output_path:
+            kept = f"{output_path} appeared during the run (another evaluation?) and is kept"
+            print(f"{parser.prog}: note: {kept}.", file=sys.stderr)
         print(f"Results written to {path}")
         if evaluation.show_config:
             print(path.read_text(encoding="utf-8"))

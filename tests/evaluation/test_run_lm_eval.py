@@ -403,6 +403,8 @@ def test_a_chat_template_asked_of_a_tokenizer_without_one_is_one_line(
 def test_a_chat_template_name_must_be_one_of_the_tokenizers(tiny):
     tokenizer = AutoTokenizer.from_pretrained(tiny)
     check_chat_template(tokenizer, True, "--apply_chat_template")  # its one template
+    with pytest.raises(ValueError, match="--apply_chat_template chatml: the tokenizer has one chat template, without"):
+        check_chat_template(tokenizer, "chatml", "--apply_chat_template")  # lm-eval would use the one silently
     tokenizer.chat_template = {"default": tokenizer.chat_template, "tool_use": tokenizer.chat_template}
     check_chat_template(tokenizer, "tool_use", "--apply_chat_template")
     with pytest.raises(ValueError, match=r"--apply_chat_template chatml: .* its templates: default, tool_use\."):
@@ -447,3 +449,70 @@ def test_the_few_shot_bound_is_each_tasks_own_count(tmp_path):
     check_num_fewshot_fits(128, unknown, 128)
     with pytest.raises(ValueError, match="-f/--num_fewshot 129: custom cannot count .* 128-token context"):
         check_num_fewshot_fits(129, unknown, 128)
+
+
+# A rotary embedding whose frequencies follow the longest position once past the model's length.
+ROPE_SCALING = {"dynamic": {"rope_type": "dynamic", "factor": 2.0}}
+
+
+@pytest.mark.parametrize(
+    "model_type, rope", [("gpt2", None), ("llama", "dynamic")], ids=["learned positions", "dynamic rotary"]
+)
+def test_buckets_past_the_models_length_or_a_rope_threshold_keep_the_scores(
+    script, tmp_path, capsys, model_type, rope
+):
+    """A bucket past the model's length: GPT-2's position table ended there (IndexError), and rotary embeddings that
+    follow the longest position rescaled every real token's (other scores). Buckets stop at the length, with one
+    note."""
+    checkpoint = save_tiny_checkpoint(tmp_path / model_type, model_type=model_type, max_position_embeddings=128)
+    if rope is not None:
+        config = json.loads((checkpoint / "config.json").read_text())
+        theta = config.get("rope_parameters", {}).get("rope_theta", 10000.0)
+        config["rope_parameters"] = {**ROPE_SCALING[rope], "rope_theta": theta}
+        (checkpoint / "config.json").write_text(json.dumps(config))
+    base = ["--tasks", "essay_perplexity", "-L", "2", "--model_name_or_path", str(checkpoint), "--use_flash_attention"]
+    plain, _ = evaluate(script, base, tmp_path / "plain.json")
+    capsys.readouterr()
+    padded, calls = evaluate(script, [*base, "--buckets", "16", "100", "300"], tmp_path / "padded.json")
+    assert "buckets 300 exceed the max length 128: batches pad to it at most." in capsys.readouterr().out
+    assert {shape[2] for _, shape in calls} <= {16, 100, 128}
+    assert_same_scores_of(plain, padded, "essay_perplexity")
+
+
+def test_bucket_padding_keeps_a_longrope_batch_below_its_original_length():
+    """Phi-3's longrope switches its frequencies once the longest position passes the original length (here 24):
+    a 10-token batch padded to a 64-token bucket would have crossed it. That length is a bucket too, so the real
+    tokens' logits are the unpadded batch's."""
+    from optimum.habana import gaudi_model_class
+    from optimum.habana.cli.evaluation.lm_eval.model import EvalOptions, GaudiEvalLM
+    from tests.helpers import tiny_config, train_tiny_tokenizer
+
+    tokenizer = train_tiny_tokenizer(chat_template=False)
+    rope = {"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [4.0] * 8, "rope_theta": 10000.0}
+    lengths = {"max_position_embeddings": 128, "original_max_position_embeddings": 24}
+    config = tiny_config("phi3", vocab_size=len(tokenizer), rope_parameters=rope, **lengths)
+    torch.manual_seed(0)
+    model = gaudi_model_class("phi3")(config).eval()
+    inputs = torch.randint(3, len(tokenizer), (2, 10))
+    flags = {"use_flash_attention": True}
+    plain = GaudiEvalLM(model, tokenizer, EvalOptions(attention=flags))._model_call(inputs)
+    lm = GaudiEvalLM(model, tokenizer, EvalOptions(attention=flags, buckets=(64,)))
+    assert lm.buckets.sizes == [24, 64]
+    padded = lm._model_call(inputs)
+    torch.testing.assert_close(padded, plain)
+
+
+def test_results_file_that_appears_during_the_run_is_kept(tmp_path):
+    """The output file is checked before the run; one that appears meanwhile (another evaluation with the same -o)
+    is kept without --overwrite, and these results take the first free name beside it."""
+    from optimum.habana.cli.evaluation.lm_eval.harness import write_results
+
+    output = tmp_path / "results.json"
+    output.write_text("another evaluation's")
+    (tmp_path / "results-1.json").write_text("and a third")
+    written = write_results(output, {"results": {}})
+    assert written == tmp_path / "results-2.json" and json.loads(written.read_text()) == {"results": {}}
+    assert output.read_text() == "another evaluation's" and (tmp_path / "results-1.json").read_text() == "and a third"
+    assert write_results(output, {"results": {"x": 1}}, overwrite=True) == output
+    assert json.loads(output.read_text()) == {"results": {"x": 1}}
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["results-1.json", "results-2.json", "results.json"]

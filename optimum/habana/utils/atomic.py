@@ -7,13 +7,15 @@ The new file gets the permissions the user's umask gives, like any file `open(pa
 """
 
 import contextlib
+import errno
 import os
 import tempfile
 from pathlib import Path
 
 
-def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
-    """Write `data` to `path` atomically; returns the path written."""
+def atomic_write_bytes(path: str | os.PathLike, data: bytes, replace: bool = True) -> Path:
+    """Write `data` to `path` atomically; returns the path written. Without `replace`, a file that is at `path` when
+    the new one would take its place (one that appeared since the caller checked) stays, and FileExistsError says so."""
     path = Path(path)
     descriptor, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
@@ -22,7 +24,10 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
             file.flush()
             os.fsync(file.fileno())
         os.chmod(temporary, 0o666 & ~current_umask())  # mkstemp creates 0600
-        os.replace(temporary, path)
+        if replace:
+            os.replace(temporary, path)
+        else:
+            _put_in_place_unless_taken(temporary, path)
     except BaseException:  # KeyboardInterrupt included: never leave the temporary file behind
         with contextlib.suppress(OSError):
             os.unlink(temporary)
@@ -31,9 +36,24 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
     return path
 
 
-def atomic_write_text(path: str | os.PathLike, text: str, encoding: str = "utf-8") -> Path:
-    """Write `text` to `path` atomically; returns the path written."""
-    return atomic_write_bytes(path, text.encode(encoding))
+def atomic_write_text(path: str | os.PathLike, text: str, encoding: str = "utf-8", replace: bool = True) -> Path:
+    """Write `text` to `path` atomically; returns the path written (`replace`: as for `atomic_write_bytes`)."""
+    return atomic_write_bytes(path, text.encode(encoding), replace)
+
+
+def _put_in_place_unless_taken(temporary: str, path: Path) -> None:
+    """A hard link fails on an existing name, atomically; a file system without hard links gets a check, then the
+    rename."""
+    try:
+        os.link(temporary, path)
+    except FileExistsError:
+        raise
+    except OSError:
+        if os.path.lexists(path):
+            raise FileExistsError(errno.EEXIST, "File exists", str(path)) from None
+        os.replace(temporary, path)
+        return
+    os.unlink(temporary)
 
 
 def current_umask() -> int:

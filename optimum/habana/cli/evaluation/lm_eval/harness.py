@@ -7,6 +7,7 @@ tasks and the user's --include_path folders (see `select_tasks`). Each task's da
 dataset lives on the Hugging Face Hub fails there with one line that names it and says how to run offline.
 """
 
+import itertools
 import json
 import logging
 import sys
@@ -148,10 +149,20 @@ def configure_lm_eval_logging() -> None:
         logger.propagate = False
 
 
-def write_results(path: Path, results: dict[str, Any]) -> Path:
-    """The results JSON, written atomically: a killed run leaves the earlier file (or none)."""
+def write_results(path: Path, results: dict[str, Any], overwrite: bool = False) -> Path:
+    """The results JSON, written atomically: a killed run leaves the earlier file (or none). Without `overwrite`, a
+    file that appeared at `path` during the run (another evaluation's) is kept, and these results take the first free
+    name beside it (`results-1.json`, ...); the caller says where they went."""
     text = json.dumps(results, indent=2, default=handle_non_serializable, ensure_ascii=False) + "\n"
-    return atomic_write_text(path, text)
+    if overwrite:
+        return atomic_write_text(path, text)
+    for attempt in itertools.count():
+        candidate = path if attempt == 0 else path.with_name(f"{path.stem}-{attempt}{path.suffix}")
+        try:
+            return atomic_write_text(candidate, text, replace=False)
+        except FileExistsError:
+            continue
+    raise AssertionError("unreachable")
 
 
 def summary_tables(results: dict[str, Any]) -> str:

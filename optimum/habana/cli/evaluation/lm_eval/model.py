@@ -33,10 +33,19 @@ LM_EVAL_MAX_GEN_TOKS = 256
 
 
 class Buckets:
-    """Sequence lengths a batch is padded to: the smallest that fits, or the batch's own length as a new one."""
+    """Sequence lengths a batch is padded to: the smallest that fits, or the batch's own length as a new one.
 
-    def __init__(self, sizes: Iterable[int]) -> None:
-        self.sizes = sorted(set(sizes))
+    None passes `limit`, the model's length: a learned position table ends there (GPT-2's lookup failed past it),
+    and buckets beyond it give way to the limit itself. `boundaries` are lengths a batch is never padded across (a
+    longrope embedding switches its frequencies past its original length, for every real token): each becomes a
+    bucket too.
+    """
+
+    def __init__(self, sizes: Iterable[int], limit: int | None = None, boundaries: Iterable[int] = ()) -> None:
+        sizes = set(sizes)
+        self.dropped = sorted(size for size in sizes if limit is not None and size > limit)
+        kept = sizes.difference(self.dropped) | ({limit} if self.dropped else set())
+        self.sizes = sorted(kept | {boundary for boundary in boundaries if kept and boundary < max(kept)})
 
     def fit(self, length: int) -> int:
         index = bisect.bisect_left(self.sizes, length)
@@ -74,7 +83,9 @@ class GaudiEvalLM(HFLM):
             pretrained=model, tokenizer=tokenizer, backend="causal", batch_size=batch_size, max_length=max_length
         )
         self.options = options
-        self.buckets = Buckets(options.buckets) if options.buckets else None
+        self.buckets = None
+        if options.buckets:
+            self.buckets = Buckets(options.buckets, self.max_length, rope_boundaries(model.config))
         self._model_info = dict(model_info or {})
         # torch.compile(model) returns a wrapper sharing the model's weights; generate() compiles through its config.
         self._forward = (
@@ -162,6 +173,17 @@ class GaudiEvalLM(HFLM):
             "model_dtype": str(self.model.dtype),
             **self._model_info,
         }
+
+
+def rope_boundaries(config: Any) -> tuple[int, ...]:
+    """The length past which a longrope embedding (Phi-3's) switches to its long factors, for every position."""
+    rope = getattr(config, "rope_parameters", None) or {}
+    if rope.get("rope_type") != "longrope":
+        return ()
+    original = rope.get("original_max_position_embeddings") or getattr(
+        config, "original_max_position_embeddings", None
+    )
+    return (original,) if original else ()
 
 
 def sampling_kwargs(generation_kwargs: dict[str, Any]) -> dict[str, Any]:

@@ -35,7 +35,11 @@ def check_chat_template(tokenizer: PreTrainedTokenizerBase, template: str | bool
             "are, or evaluate a chat model (one whose tokenizer_config.json or chat_template.jinja holds a template)."
         )
     if not isinstance(templates, dict):
-        return  # one template: lm-eval uses it, and warns itself when a name was given
+        if isinstance(template, str):  # lm-eval would use the one template and warn only with a results tracker
+            raise ValueError(
+                f"{flag} {template}: the tokenizer has one chat template, without a name; pass {flag} alone to use it."
+            )
+        return
     names = ", ".join(sorted(templates))
     if isinstance(template, str):
         if template not in templates:
