@@ -18,14 +18,17 @@ library's matmul-softmax), `sdpa` and `eager` (stock transformers). Prints a Mar
 
 import argparse
 import json
+import math
 import subprocess
 import sys
 import time
+from typing import NoReturn
 
 import torch
 from tabulate import tabulate
 from transformers import DataCollatorWithFlattening
 
+from optimum.habana.cli.benchmarks import workers
 from optimum.habana.cli.benchmarks.models import PRESETS, ModelSpec, build_model
 from optimum.habana.cli.benchmarks.workers import ratio
 from optimum.habana.cli.common import check_environment, exit_on_interrupt_or_oom
@@ -34,10 +37,16 @@ from optimum.habana.utils.devices import memory_stats, reset_peak_memory
 
 PATHS = ("floor", "flash", "default", "sdpa", "eager")
 RESULT_MARKER = "PACKED_STEP_RESULT "
+PROG = "benchmark_packed_step.py"
+
+
+def usage_error(parser: argparse.ArgumentParser, message: str) -> NoReturn:
+    """A value that cannot run: one line naming the flag, exit 2."""
+    parser.exit(2, f"{parser.prog}: error: {message}\n")
 
 
 def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", choices=list(PRESETS), default="smollm2-attn")
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--intermediate_size", type=int, default=1536)
@@ -49,17 +58,26 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--torch_compile", action="store_true", help="Compile the model (fullgraph) first.")
     parser.add_argument("--torch_compile_backend", default=None, help="With --torch_compile (default: inductor).")
     parser.add_argument("--paths", nargs="+", choices=PATHS, default=list(PATHS))
-    parser.add_argument("--threads", type=int, default=None, help="Torch threads per process (default: torch's).")
+    parser.add_argument(
+        "--threads", type=int, default=None, help="Torch threads per process, at least 1 (default, left out: torch's)."
+    )
     parser.add_argument("--timeout", type=float, default=1800.0, help="Seconds per path; past it: timeout.")
     parser.add_argument("--worker", choices=PATHS, help=argparse.SUPPRESS)
     arguments = parser.parse_args(argv)
     check_environment(parser.prog)
     for name in ("layers", "intermediate_size", "examples", "example_tokens"):
         if getattr(arguments, name) < 1:
-            parser.error(f"--{name} must be at least 1, got {getattr(arguments, name)}.")
+            usage_error(parser, f"--{name} must be at least 1, got {getattr(arguments, name)}.")
+    if arguments.threads is not None and arguments.threads < 1:
+        usage_error(
+            parser, f"--threads must be at least 1, got {arguments.threads} (leave it out for torch's own count)."
+        )
+    if not 0 < arguments.timeout < math.inf:
+        usage_error(parser, f"--timeout must be a positive number of seconds, got {arguments.timeout}.")
     if arguments.torch_compile_backend is not None and not arguments.torch_compile:
-        parser.error(
-            f"--torch_compile_backend {arguments.torch_compile_backend} picks the backend: add --torch_compile."
+        usage_error(
+            parser,
+            f"--torch_compile_backend {arguments.torch_compile_backend} picks the backend: add --torch_compile.",
         )
     arguments.torch_compile_backend = arguments.torch_compile_backend or "inductor"
     return arguments
@@ -84,7 +102,7 @@ def training_batch(arguments: argparse.Namespace, vocab: int) -> dict[str, torch
 
 def measure(arguments: argparse.Namespace) -> dict[str, float]:
     """In the worker process: one step for the memory, a second one for the time."""
-    if arguments.threads:
+    if arguments.threads is not None:
         torch.set_num_threads(arguments.threads)
     spec = ModelSpec(arguments.preset, arguments.layers, arguments.intermediate_size)
     model = build_model(spec, arguments.worker, torch.float32, seed=0)
@@ -111,9 +129,11 @@ def measure(arguments: argparse.Namespace) -> dict[str, float]:
 
 
 def run_path(path: str, argv: list[str], timeout: float) -> dict[str, float | str]:
+    """One path in a fresh process; past `timeout` it is stopped with whatever it started (inductor's compile
+    workers: `workers.run_command`)."""
     command = [sys.executable, __file__, *argv, "--worker", path]
     try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+        done = workers.run_command(command, timeout)
     except subprocess.TimeoutExpired:
         return {"status": "timeout"}
     for line in reversed(done.stdout.splitlines()):
@@ -130,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         print(RESULT_MARKER + json.dumps(measure(arguments)), flush=True)
         return 0
     with exit_on_interrupt_or_oom(
-        "benchmark_packed_step.py",
+        PROG,
         on_interrupt=lambda: "nothing was written (the table is printed once every path is measured).",
         on_out_of_memory=lambda error: "out of memory in the benchmark's own process; nothing was written.",
     ):

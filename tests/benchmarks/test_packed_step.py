@@ -2,9 +2,12 @@
 ratios to the floor. No timing assertions. The script's main runs in this process; its workers in their own, but for
 the compiled step's."""
 
+import subprocess
+
 import pytest
 import torch
 
+from optimum.habana.cli.benchmarks import workers
 from tests.helpers import load_script
 
 
@@ -81,3 +84,37 @@ def test_ctrl_c_is_one_line(script, capsys, monkeypatch):
         "benchmark_packed_step.py: interrupted: nothing was written (the table is printed once every path is "
         "measured)."
     ]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--threads", "-1"], "--threads must be at least 1, got -1 (leave it out for torch's own count)."),
+        (["--threads", "0"], "--threads must be at least 1, got 0 (leave it out for torch's own count)."),
+        (["--timeout", "0"], "--timeout must be a positive number of seconds, got 0.0."),
+        (["--timeout", "-5"], "--timeout must be a positive number of seconds, got -5.0."),
+    ],
+)
+def test_threads_and_timeout_that_cannot_run_are_one_line_before_any_path(script, capsys, monkeypatch, argv, message):
+    monkeypatch.setattr(script, "run_path", lambda *args: pytest.fail("a path ran"))
+    with pytest.raises(SystemExit) as exit_info:
+        script.main(argv)
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err == f"benchmark_packed_step.py: error: {message}\n"
+
+
+def test_a_path_past_its_timeout_is_stopped_as_a_process_group(script, monkeypatch):
+    """A compiled step's worker starts inductor's compile workers: the launch goes through workers.run_command, which
+    stops them all (tests/benchmarks/test_workers.py), never through subprocess.run, which kills the worker alone."""
+    commands = []
+
+    def past_timeout(command: list[str], timeout: float) -> subprocess.CompletedProcess:
+        commands.append(command)
+        raise subprocess.TimeoutExpired(command, timeout)
+
+    monkeypatch.setattr(workers, "run_command", past_timeout)
+    monkeypatch.setattr(
+        subprocess, "run", lambda *args, **kwargs: pytest.fail("subprocess.run kills the worker alone")
+    )
+    assert script.run_path("flash", ["--paths", "flash"], 3.0) == {"status": "timeout"}
+    assert commands[0][-2:] == ["--worker", "flash"]

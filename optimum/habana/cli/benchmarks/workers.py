@@ -5,10 +5,17 @@ measures and ends with `report_measurement`, whose last stdout line is `RESULT_M
 A run that runs out of memory reports `"status": "oom"`; on CPU the worker's address space is capped
 (`memory_budget_bytes`, `cap_address_space`) so that an allocation fails cleanly instead of waking the kernel's OOM
 killer on a shared machine.
+
+Every launch (`run_command`) starts in a session of its own, and a launch past its timeout, or interrupted, is
+stopped as a whole process group: a worker's own children (torchrun's processes, inductor's compile workers) do not
+outlive it.
 """
 
+import contextlib
 import json
+import os
 import resource
+import signal
 import subprocess
 import sys
 from collections.abc import Callable
@@ -24,6 +31,8 @@ from .tables import GB
 RESULT_MARKER = "BENCHMARK_RESULT "
 # Virtual memory the process may add beyond the cap's budget without holding it (thread stacks, malloc arenas).
 _ADDRESS_SPACE_SLACK = 64 << 20
+# Seconds a stopped launch gets between SIGTERM (torchrun passes it on to its workers) and SIGKILL.
+STOP_GRACE_SECONDS = 5.0
 
 
 def memory_budget_bytes(memory_limit_gb: float | None, device: torch.device) -> int | None:
@@ -36,11 +45,50 @@ def memory_budget_bytes(memory_limit_gb: float | None, device: torch.device) -> 
     return int(available * 0.8) if available else None
 
 
+def run_command(
+    command: list[str], timeout: float, grace: float = STOP_GRACE_SECONDS
+) -> subprocess.CompletedProcess[str]:
+    """`subprocess.run(command, capture_output=True, text=True, timeout=timeout)`, but in a session of its own, so
+    that past the timeout (`subprocess.TimeoutExpired`, raised once everything is stopped), on Ctrl-C or on any other
+    exception the whole process group is stopped, not the launched process alone: subprocess.run's SIGKILL of
+    torchrun left its workers running, orphaned. (In its own session the launch no longer gets the terminal's Ctrl-C:
+    this process passes it on as SIGTERM.)"""
+    process = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    except BaseException:
+        stop_process_group(process, grace)
+        raise
+    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+
+
+def stop_process_group(process: subprocess.Popen[str], grace: float = STOP_GRACE_SECONDS) -> None:
+    """SIGTERM to the group that `process` leads (its own session), up to `grace` seconds for it to end, then
+    SIGKILL to whatever of the group is left (even when a second Ctrl-C cuts the wait short); its pipes closed."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGTERM)
+    try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            process.wait(grace)
+    finally:
+        # Linux keeps the group's id from reuse while any member lives, so this reaches the leader's children even
+        # once the leader itself is reaped; ProcessLookupError: none is left.
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            process.wait(grace)
+        for pipe in (process.stdout, process.stderr):
+            if pipe is not None:
+                pipe.close()
+
+
 def run_worker(task: dict[str, Any], timeout: float, worker: str) -> dict[str, Any]:
     """One measurement in a fresh process of the `worker` module: its result, or a timeout / OOM / error status."""
     command = [sys.executable, "-m", worker, json.dumps(task)]
     try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+        done = run_command(command, timeout)
     except subprocess.TimeoutExpired:
         return {"status": "timeout", "error": f"still running after --timeout {timeout:g} s"}
     for line in reversed(done.stdout.splitlines()):
