@@ -16,12 +16,13 @@ batch-1 matrix-vector products alone (eager, nothing else of the step). docs/ben
 
 import argparse
 import sys
+from typing import NoReturn
 
 import torch
 from tabulate import tabulate
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-from optimum.habana import GaudiGenerationConfig, GaudiLlamaForCausalLM
+from optimum.habana import GaudiGenerationConfig, GaudiLlamaForCausalLM, hpu
 from optimum.habana.cli.benchmarks.compiled_decode import (
     bytes_read_per_decode_step,
     compile_config,
@@ -31,12 +32,38 @@ from optimum.habana.cli.benchmarks.compiled_decode import (
     weight_gemv_seconds,
 )
 from optimum.habana.cli.common import check_environment, exit_on_interrupt_or_oom
+from optimum.habana.cli.compile_backend import backend_problem, known_backends, offered_backends
 from optimum.habana.cli.generation.prompts import DEFAULT_PROMPTS, prompts_for_batch
-from optimum.habana.utils.model_loading import resolve_model
+from optimum.habana.utils.model_loading import ModelResolutionError, resolve_model
+
+
+PROG = "benchmark_compiled_decode.py"
+
+
+def usage_error(parser: argparse.ArgumentParser, message: str) -> NoReturn:
+    parser.exit(2, f"{parser.prog}: error: {message}\n")
+
+
+def check_backend(backend: str) -> None:
+    """A ValueError naming --backend unless torch.compile can run it here, on CPU (where this script measures: not
+    Gaudi's backend); otherwise the error came as a traceback once both models had loaded and compiled."""
+    allowed = known_backends() - {hpu.COMPILE_BACKEND}
+    if backend not in allowed:
+        raise ValueError(
+            f"--backend {backend} is not a torch.compile backend this script can use (it compiles on CPU); choose "
+            f"one of: {', '.join(sorted(offered_backends() & allowed))}."
+        )
+    problem = backend_problem(backend)
+    if problem is not None:
+        raise ValueError(
+            f"--backend {backend} cannot compile here ({problem}): take inductor (the default), or install what "
+            "this backend needs."
+        )
 
 
 def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    """The arguments, each checked before any model loads; `checkpoint` is the resolved --model_name_or_path."""
+    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     parser.add_argument("--model_name_or_path", default=None, help="A Llama checkpoint (default: embedded SmolLM2).")
     parser.add_argument("--batch_sizes", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--max_new_tokens", type=int, default=48)
@@ -48,22 +75,42 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--bandwidth_gib", type=float, default=1.0, help="GiB summed to measure read bandwidth (far above the caches)."
     )
-    parser.add_argument("--threads", type=int, default=None, help="Torch threads (default: torch's).")
+    parser.add_argument(
+        "--threads", type=int, default=None, help="Torch threads, at least 1 (default, left out: torch's)."
+    )
     arguments = parser.parse_args(argv)
     check_environment(parser.prog)
+    try:
+        check_values(arguments)
+        check_backend(arguments.backend)
+    except ValueError as error:
+        usage_error(parser, str(error))
+    try:
+        arguments.checkpoint = resolve_model(arguments.model_name_or_path).path
+    except ModelResolutionError as error:
+        message = str(error)
+        usage_error(parser, message if "--model_name_or_path" in message else f"--model_name_or_path: {message}")
+    return arguments
+
+
+def check_values(arguments: argparse.Namespace) -> None:
+    """Numbers that cannot run; a ValueError names the flag."""
     if arguments.max_new_tokens < 2:
-        parser.error(
+        raise ValueError(
             f"--max_new_tokens must be at least 2 (a decode step after the first token), got {arguments.max_new_tokens}."
         )
     if arguments.max_input_tokens is not None and arguments.max_input_tokens < 1:
-        parser.error(f"--max_input_tokens must be at least 1, got {arguments.max_input_tokens}.")
+        raise ValueError(f"--max_input_tokens must be at least 1, got {arguments.max_input_tokens}.")
     if arguments.n_iterations < 1:
-        parser.error(f"--n_iterations must be at least 1, got {arguments.n_iterations}.")
-    if arguments.bandwidth_gib <= 0:
-        parser.error(f"--bandwidth_gib must be positive, got {arguments.bandwidth_gib}.")
+        raise ValueError(f"--n_iterations must be at least 1, got {arguments.n_iterations}.")
+    if not arguments.bandwidth_gib > 0:
+        raise ValueError(f"--bandwidth_gib must be positive, got {arguments.bandwidth_gib}.")
     if min(arguments.batch_sizes) < 1:
-        parser.error(f"--batch_sizes must be at least 1, got {min(arguments.batch_sizes)}.")
-    return arguments
+        raise ValueError(f"--batch_sizes must be at least 1, got {min(arguments.batch_sizes)}.")
+    if arguments.threads is not None and arguments.threads < 1:
+        raise ValueError(
+            f"--threads must be at least 1, got {arguments.threads} (leave it out for torch's own count)."
+        )
 
 
 def random_prompts(batch: int, length: int, vocab_size: int) -> dict[str, torch.Tensor]:
@@ -74,9 +121,9 @@ def random_prompts(batch: int, length: int, vocab_size: int) -> dict[str, torch.
 
 def main(argv: list[str] | None = None) -> int:
     arguments = parse_arguments(argv)
-    if arguments.threads:
+    if arguments.threads is not None:
         torch.set_num_threads(arguments.threads)
-    path = resolve_model(arguments.model_name_or_path).path
+    path = arguments.checkpoint
     tokenizer = AutoTokenizer.from_pretrained(path)
     tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
     ours = GaudiLlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
@@ -92,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     gemv_seconds = weight_gemv_seconds(ours)
     rows = []
     with exit_on_interrupt_or_oom(
-        "benchmark_compiled_decode.py",
+        PROG,
         on_interrupt=lambda: "no table was written (it is printed once every batch size is measured).",
         on_out_of_memory=lambda error: f"out of memory ({error}); try smaller --batch_sizes.",
     ):

@@ -18,6 +18,7 @@ shows the table and the two targets.
 """
 
 import json
+import math
 import random
 import sys
 from collections.abc import Sequence
@@ -62,6 +63,8 @@ class Arguments:
 
 
 def check(arguments: Arguments) -> None:
+    """Values that cannot run, refused before any worker starts (every run would fail alike); a ValueError names the
+    flag."""
     for name in (
         "requests",
         "min_prompt_tokens",
@@ -74,6 +77,10 @@ def check(arguments: Arguments) -> None:
             raise ValueError(f"--{name} must be at least 1, got {getattr(arguments, name)}.")
     if arguments.max_prompt_tokens < arguments.min_prompt_tokens:
         raise ValueError("--max_prompt_tokens must be at least --min_prompt_tokens.")
+    if arguments.threads < 0:
+        raise ValueError(f"--threads must be 0 (torch's default) or more, got {arguments.threads}.")
+    if not 0 < arguments.timeout < math.inf:
+        raise ValueError(f"--timeout must be a positive number of seconds, got {arguments.timeout}.")
     positions = getattr(
         AutoConfig.from_pretrained(resolve_model(arguments.model).path), "max_position_embeddings", None
     )
@@ -215,9 +222,11 @@ def fmt(value: float | None) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = HfArgumentParser(Arguments, prog=PROG, description=__doc__.split("\n\n")[1])
+    parser = HfArgumentParser(Arguments, prog=PROG, description=__doc__.split("\n\n")[0])
     (arguments,) = parser.parse_args_into_dataclasses(args=argv)
     check_environment(parser.prog)
+    # A path named twice would run twice a repeat, and its repeats would never add up to a complete run.
+    arguments.paths = list(dict.fromkeys(arguments.paths))
     try:
         check(arguments)
     except (ValueError, OutputDirError, ModelResolutionError) as error:

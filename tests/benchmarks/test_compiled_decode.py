@@ -32,3 +32,29 @@ def test_bad_arguments_are_usage_errors():
     with pytest.raises(SystemExit) as exit_info:
         script.main(["--max_new_tokens", "1"])
     assert exit_info.value.code == 2
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--threads", "-1"], "--threads must be at least 1, got -1 (leave it out for torch's own count)."),
+        (["--threads", "0"], "--threads must be at least 1, got 0 (leave it out for torch's own count)."),
+        (
+            ["--backend", "foo"],
+            "--backend foo is not a torch.compile backend this script can use (it compiles on CPU); choose one of: ",
+        ),
+        (
+            ["--model_name_or_path", "/nonexistent/checkpoint"],
+            "--model_name_or_path: The path '/nonexistent/checkpoint' does not exist.",
+        ),
+    ],
+)
+def test_values_that_cannot_run_are_one_line_before_any_model_loads(argv, message, capsys, monkeypatch):
+    script = load_script("examples/text-generation/benchmark_compiled_decode.py")
+    loaded = []
+    monkeypatch.setattr(script.GaudiLlamaForCausalLM, "from_pretrained", lambda *args, **kwargs: loaded.append(args))
+    with pytest.raises(SystemExit) as exit_info:
+        script.main(argv)
+    assert exit_info.value.code == 2 and loaded == []
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"benchmark_compiled_decode.py: error: {message}")

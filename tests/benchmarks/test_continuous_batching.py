@@ -107,9 +107,13 @@ def test_prompts_past_the_model_s_positions_are_a_usage_error_before_any_run(scr
         (["--requests", "0"], "--requests must be at least 1"),
         (["--min_prompt_tokens", "64", "--max_prompt_tokens", "32"], "--max_prompt_tokens must be at least"),
         (["--paths", "cb_magic"], "invalid choice"),
+        (["--threads", "-1"], "error: --threads must be 0 (torch's default) or more, got -1."),
+        (["--timeout", "0"], "error: --timeout must be a positive number of seconds, got 0.0."),
+        (["--timeout", "-5"], "error: --timeout must be a positive number of seconds, got -5.0."),
     ],
 )
-def test_bad_values_are_usage_errors(argv, words, script, capsys):
+def test_bad_values_are_usage_errors(argv, words, script, capsys, monkeypatch):
+    monkeypatch.setattr(workers, "run_worker", lambda *args, **kwargs: pytest.fail("a worker ran"))
     with pytest.raises(SystemExit) as exit_info:
         script.main(argv)
     assert exit_info.value.code == 2
@@ -150,3 +154,33 @@ def test_ctrl_c_before_the_first_result_writes_nothing(script, checkpoint, tmp_p
         "benchmark_continuous_batching.py: interrupted: nothing was written."
     )
     assert not (tmp_path / "out" / "results.json").exists()
+
+
+def test_a_path_named_twice_runs_once_a_repeat_and_the_finished_run_is_complete(
+    script, checkpoint, tmp_path, monkeypatch
+):
+    calls = []
+
+    def in_process(task, timeout, worker):
+        calls.append(task["path"])
+        return {**FAKE_RESULTS[task["path"]], "status": "ok", "seconds": 1.0, "peak_memory_bytes": 1 << 30}
+
+    monkeypatch.setattr(workers, "run_worker", in_process)
+    argv = ["--model", checkpoint, *SHORT, "--repeats", "1", "--paths", "cb_flash", "static_flash", "cb_flash"]
+    assert script.main([*argv, "--output_dir", str(tmp_path)]) == 0
+    assert calls == ["cb_flash", "static_flash"]
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["complete"] is True and {path: len(runs) for path, runs in results["runs"].items()} == {
+        "cb_flash": 1,
+        "static_flash": 1,
+    }
+    assert not (tmp_path / "results.md").read_text().startswith("**INCOMPLETE**")
+
+
+def test_help_describes_the_benchmark_rather_than_repeating_its_command(script, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        script.main(["--help"])
+    assert exit_info.value.code == 0
+    description = capsys.readouterr().out.split("\n\n")[1]
+    assert description.startswith("Serving throughput: continuous batching with the flag")
+    assert "python examples/" not in description

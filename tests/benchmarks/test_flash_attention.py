@@ -248,3 +248,16 @@ def test_ctrl_c_is_one_line_and_the_rows_so_far_are_marked_incomplete(
     assert json.loads((tmp_path / "results.json").read_text())["complete"] is False
     (row,) = list(csv.DictReader((tmp_path / "results.csv").read_text().splitlines()))
     assert row["Max input tokens"] == "16" and row["complete"] == "no"
+
+
+def test_help_lists_each_option_once(capsys):
+    """HfArgumentParser adds the dashed spelling of an underscored field itself: an alias of it listed it twice."""
+    with pytest.raises(SystemExit) as exit_info:
+        inference_arguments.build_parser().parse_args(["--help"])
+    assert exit_info.value.code == 0
+    help_text = capsys.readouterr().out
+    options = help_text.split("options:", 1)[1]
+    assert options.count("--compare-transformers") == 1
+    assert inference_arguments.parse_arguments(
+        inference_arguments.build_parser(), ["--compare-transformers"]
+    ).compare_transformers

@@ -43,12 +43,9 @@ class BenchmarkArguments:
     flash_attention_causal_mask: bool = field(
         default=False, metadata={"help": "Run the flash path with --flash_attention_causal_mask."}
     )
-    compare_transformers: bool = field(
+    compare_transformers: bool = field(  # HfArgumentParser adds --compare-transformers itself
         default=False,
-        metadata={
-            "aliases": ["--compare-transformers"],
-            "help": "Also run stock transformers (attn_implementation 'eager' and 'sdpa') on every row.",
-        },
+        metadata={"help": "Also run stock transformers (attn_implementation 'eager' and 'sdpa') on every row."},
     )
     floor: bool = field(
         default=True,
