@@ -223,6 +223,31 @@ def test_families_refused_by_the_old_reading_qualify(model_type):
     assert report.qualifies, report.reason
 
 
+@pytest.mark.parametrize(
+    "model_type, attention",
+    [("zamba2", ("Zamba2Attention",)), ("moshi", ("MoshiAttention",))],
+    ids=["layers built by a method, a block handed in", "a text-only causal LM of a multimodal config"],
+)
+def test_families_the_reading_did_not_follow_qualify(model_type, attention):
+    """Zamba 2 builds its layers in `self.get_layers()` and hands each hybrid layer its shared attention block (its
+    constructor's annotated parameter): the reading found no attention and said it bypassed the interface. Moshi's
+    causal LM shares its config (and its audio sub-config) with the audio model and builds only the text stack: it was
+    read as multimodal. Both run fused with stock's logits (test_every_family)."""
+    report = family_report(model_type)
+    assert report.qualifies, report.reason
+    assert report.attention_classes == attention
+
+
+def test_a_drafter_built_from_any_text_config_is_not_called_a_state_space_model():
+    """Gemma 4's assistant builds its language model from its text config at run time (AutoModel), which the reading
+    cannot follow: it was said to have no attention layer."""
+    reason = family_report("gemma4_assistant").reason
+    assert (
+        reason
+        == "its language model is built at run time from its text config, of any model type: this reading cannot follow it"
+    )
+
+
 def test_emu3s_config_model_type_reads_as_emu3():
     """Emu3's causal LM is built from an `Emu3TextConfig`, whose model type 'emu3_text_model' is no key of
     transformers' causal-LM mapping: a model's `config.model_type` and a saved checkpoint's carry it, and every run-time

@@ -128,6 +128,13 @@ OVERRIDES: dict[str, dict] = {
     "longcat_flash": {"num_layers": 2, "zero_expert_num": 2},
     # its shared transformer block is tied across its attention layers: two of them
     "zamba": {"num_hidden_layers": 5},
+    # its layer pattern under its own name (54 layers by default), two hybrid layers sharing two blocks
+    "zamba2": {
+        "num_hidden_layers": 4,
+        "num_mem_blocks": 2,
+        "use_mem_rope": True,
+        "layers_block_type": ["linear_attention", "hybrid", "linear_attention", "hybrid"],
+    },
 }
 # Llama 4 as its checkpoints are: chunked layers with rotary embeddings, then a full-attention layer without (NoPE),
 # here every third, whose queries are scaled by their position (temperature tuning), from the second token on, not

@@ -29,7 +29,7 @@ from transformers.utils.import_utils import is_tracing
 
 from ..kernels.dispatch import host_reads_allowed, needs_padding_mask, on_hpu
 from ..kernels.variable_length import PaddedPrompt, PromptPaddingSide, Segment, Segments
-from .families.qualification import family_runs_mask_free
+from .families.qualification import ALTERNATING, CHUNKED, WINDOW, family_report, family_runs_mask_free
 
 
 PADDING_SIDES = ("none", "left", "right", "any")
@@ -109,6 +109,16 @@ def prompt_runs_mask_free(config: PreTrainedConfig, tokens: torch.Tensor, causal
     kernel does not read the mask (Gaudi without the causal-mask mode)."""
     layers_plan_it = padding_mask_is_all_it_needs(config) or (not on_hpu(tokens) and local_layers_run_planned(config))
     return layers_plan_it and not needs_padding_mask(tokens, causal_mask_mode)
+
+
+def generation_masks_are_the_familys(config: PreTrainedConfig) -> bool:
+    """Whether the masks generate() builds for a static cache, from the config, are the ones the family's layers
+    apply: a window or chunk in the config that no layer applies (Moshi keeps `sliding_window` for its cache) makes
+    generate()'s mask windowed where the family's own is not, and stock attends through generate()'s."""
+    local = getattr(config, "sliding_window", None) or getattr(config, "attention_chunk_size", None)
+    if not local or getattr(config, "layer_types", None) is not None:
+        return True
+    return bool({WINDOW, ALTERNATING, CHUNKED} & set(family_report(config.model_type).variants))
 
 
 def local_layers_run_planned(config: PreTrainedConfig) -> bool:
@@ -303,6 +313,7 @@ __all__ = [
     "padded_prompt",
     "padding_mask_is_all_it_needs",
     "padding_side_of",
+    "generation_masks_are_the_familys",
     "ReadPaddingSide",
     "paged_bounds",
     "paged_segments",

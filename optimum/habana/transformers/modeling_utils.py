@@ -44,7 +44,13 @@ from .attention_flags import (
     pop_attention_flags,
     resolve_attention_flags,
 )
-from .batch_layout import ReadPaddingSide, is_padding_mask, padding_side_of, prompt_runs_mask_free
+from .batch_layout import (
+    ReadPaddingSide,
+    generation_masks_are_the_familys,
+    is_padding_mask,
+    padding_side_of,
+    prompt_runs_mask_free,
+)
 from .cache import BucketedStaticCache
 from .continuous_batching import ChosenAttnImplementation, engine_flags, init_manager
 from .decoder_inputs import prepare_decoder_call
@@ -305,6 +311,7 @@ class GaudiAttentionMixin(GaudiGenerationMixin):
             and kwargs.get("use_flash_attention")
             and is_padding_mask(attention_mask)
             and prompt_runs_mask_free(self.config, input_ids, bool(kwargs.get("flash_attention_causal_mask")))
+            and generation_masks_are_the_familys(self.config)
         )
         if is_first_iteration and kwargs.get("use_flash_attention") and is_padding_mask(attention_mask):
             kwargs["padding_side"] = ReadPaddingSide(padding_side_of(attention_mask), attention_mask.shape[-1])

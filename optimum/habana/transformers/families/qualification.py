@@ -188,7 +188,8 @@ def _judge(model_type: str, stock: type) -> FamilyReport:
     def refuse(reason: str, **fields) -> FamilyReport:
         return FamilyReport(model_type, stock.__name__, False, reason, **fields)
 
-    multimodal = _multimodal_reason(model_type, stock)
+    edges = _module_graph(stock)
+    multimodal = _multimodal_reason(model_type, stock, edges)
     if multimodal:
         return refuse(multimodal)
     # An encoder-decoder model type's causal LM is its decoder: refused where its layers attend to the encoder's
@@ -196,7 +197,6 @@ def _judge(model_type: str, stock: type) -> FamilyReport:
     encoder_decoder = _is_encoder_decoder(model_type)
     if model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES and not encoder_decoder:
         return refuse("an encoder (masked-LM) model with a language-model head: the Gaudi attention serves decoders")
-    edges = _module_graph(stock)
     classes = {child for children in edges.values() for _, child in children} | {stock}
     attention = {cls for cls in classes if interface_calls(cls)}
     cross = _cross_attention(edges, attention) if encoder_decoder else []
@@ -235,7 +235,10 @@ def _judge(model_type: str, stock: type) -> FamilyReport:
     )
 
 
-def _multimodal_reason(model_type: str, stock: type) -> str:
+def _multimodal_reason(model_type: str, stock: type, edges: dict[type, list[tuple[str, type]]]) -> str:
+    """Why the model type's causal LM is multimodal, or "": its config holds an audio or vision sub-config and the
+    causal LM builds such a module. A config shared with the multimodal model (Moshi's) does not make a causal LM
+    that builds only the text stack (`MoshiForCausalLM`, "only usable for text") multimodal."""
     config_class = CONFIG_MAPPING[model_type]
     sub_configs = getattr(config_class, "sub_configs", None) or {}
     encoders = sorted(
@@ -243,6 +246,10 @@ def _multimodal_reason(model_type: str, stock: type) -> str:
     )
     if stock.config_class is not config_class or not encoders:
         return ""
+    classes = {stock} | {child for children in edges.values() for _, child in children}
+    sub_config_names = {name for name in sub_configs if any(part in name for part in MULTIMODAL_PARTS)}
+    if not any(sub_config_names & init_names(cls) for cls in classes):
+        return ""  # no constructor of the causal LM's modules reads an audio or vision config
     text_type = getattr(sub_configs.get("text_config"), "model_type", None)
     if isinstance(text_type, str) and text_type:
         return (
@@ -277,10 +284,18 @@ def _module_graph(stock: type, depth: int = 6) -> dict[type, list[tuple[str, typ
 
 
 def _no_attention_reason(model_type: str) -> str:
-    config = default_config(CONFIG_MAPPING[model_type])
+    config_class = CONFIG_MAPPING[model_type]
+    config = default_config(config_class)
     text_type = getattr(getattr(config, "text_config", None), "model_type", None)
+    if not text_type:  # a config transformers cannot build with its defaults (Gemma 4's assistant): its class says
+        text_type = getattr((getattr(config_class, "sub_configs", None) or {}).get("text_config"), "model_type", None)
     if text_type:
-        return f"its language model is built from the model type {text_type!r} at run time: use that model type"
+        return (
+            f"its language model is built at run time from the model type {text_type!r}, which this reading does not "
+            f"follow ({text_type!r} is judged on its own)"
+        )
+    if "text_config" in (getattr(config_class, "sub_configs", None) or {}):
+        return "its language model is built at run time from its text config, of any model type: this reading cannot follow it"
     if hasattr(CONFIG_MAPPING[model_type], "num_attention_heads"):
         return "its attention does not go through transformers' attention interface"
     return "it has no attention layer (a state-space or recurrent model): the flag has nothing to do"

@@ -149,11 +149,22 @@ def submodules(cls: type) -> dict[str, set[type]]:
                 if not (isinstance(target, ast.Attribute) and _is_self(target.value)):
                     continue
                 classes = set()
-                for name in _closure(_source_names(value), sources):
+                for name in _closure(_source_names(value), sources) | _names_built_by_own_methods(cls, value):
                     classes |= _module_classes(_resolve(owner, name))
                 if classes:
                     found.setdefault(target.attr, set()).update(classes)
     return found
+
+
+def _names_built_by_own_methods(cls: type, value: ast.AST) -> set[str]:
+    """`self.layers = self.get_layers()` (Zamba 2): the names the called method reads where it builds what it returns."""
+    names: set[str] = set()
+    for node in ast.walk(value):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and _is_self(node.func.value):
+            located = method(cls, node.func.attr)
+            if located is not None and located[1].name != "__init__":
+                names |= _closure(set(_source_names(located[1])), _local_sources(located[1]))
+    return names
 
 
 def _appends_to_attribute(node: ast.AST) -> bool:
@@ -186,6 +197,10 @@ def _local_sources(function: ast.FunctionDef) -> dict[str, set[str]]:
             for element in ast.iter_child_nodes(target):
                 bind(element, value)
 
+    arguments = function.args
+    for argument in [*arguments.posonlyargs, *arguments.args, *arguments.kwonlyargs]:
+        if argument.annotation is not None:  # a module handed to the constructor: `shared_transformer: Zamba2...`
+            sources.setdefault(argument.arg, set()).update(_source_names(argument.annotation))
     for node in ast.walk(function):
         if isinstance(node, ast.Assign):
             for target in node.targets:
