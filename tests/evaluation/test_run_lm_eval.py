@@ -516,3 +516,15 @@ def test_results_file_that_appears_during_the_run_is_kept(tmp_path):
     assert write_results(output, {"results": {"x": 1}}, overwrite=True) == output
     assert json.loads(output.read_text()) == {"results": {"x": 1}}
     assert sorted(path.name for path in tmp_path.iterdir()) == ["results-1.json", "results-2.json", "results.json"]
+
+
+def test_a_run_refused_after_the_output_check_leaves_no_folder_behind(script, tiny, tmp_path, capsys):
+    """-o in a folder still to make: the folder is made when the results are written, not when the path is checked,
+    so a run refused later (an unknown task) leaves nothing behind."""
+    output = tmp_path / "new" / "deeper" / "results.json"
+    with pytest.raises(SystemExit) as raised:
+        script.main(["--tasks", "no_such_task", "--model_name_or_path", str(tiny), "-o", str(output)])
+    assert raised.value.code == 2 and "no_such_task" in capsys.readouterr().err
+    assert not (tmp_path / "new").exists()
+    results, _ = evaluate(script, ["--tasks", "flash_mc", "-L", "1", "--model_name_or_path", str(tiny)], output)
+    assert "flash_mc" in results["results"]

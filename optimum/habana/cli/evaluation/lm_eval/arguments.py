@@ -217,7 +217,8 @@ def parse_metadata(text: str | None) -> dict[str, Any]:
 
 
 def check_output_file(output_file: str, overwrite: bool) -> Path:
-    """The output path, once its folder can be written and it holds no earlier results (unless --overwrite)."""
+    """The output path, once its folder can be written and it holds no earlier results (unless --overwrite). A folder
+    still to make is not made here (`write_results` makes it): a run refused later leaves nothing behind."""
     path = Path(output_file).expanduser()
     if path.is_dir():
         raise ValueError(f"-o/--output_file {output_file!r} is a folder; pass a file name such as results.json.")
@@ -226,7 +227,8 @@ def check_output_file(output_file: str, overwrite: bool) -> Path:
             f"-o/--output_file {output_file!r} exists: refusing to replace earlier results. Pass --overwrite to "
             "replace it, or another file name."
         )
-    writable_folder(str(path.parent), flag="-o/--output_file's folder")
+    existing = next(folder for folder in (path.parent, *path.parent.parents) if folder.exists())
+    writable_folder(str(existing), flag="-o/--output_file's folder")
     return path
 
 

@@ -154,6 +154,7 @@ def write_results(path: Path, results: dict[str, Any], overwrite: bool = False) 
     file that appeared at `path` during the run (another evaluation's) is kept, and these results take the first free
     name beside it (`results-1.json`, ...); the caller says where they went."""
     text = json.dumps(results, indent=2, default=handle_non_serializable, ensure_ascii=False) + "\n"
+    path.parent.mkdir(parents=True, exist_ok=True)  # checked writable at the start (`check_output_file`)
     if overwrite:
         return atomic_write_text(path, text)
     for attempt in itertools.count():
