@@ -528,3 +528,17 @@ def test_a_run_refused_after_the_output_check_leaves_no_folder_behind(script, ti
     assert not (tmp_path / "new").exists()
     results, _ = evaluate(script, ["--tasks", "flash_mc", "-L", "1", "--model_name_or_path", str(tiny)], output)
     assert "flash_mc" in results["results"]
+
+
+def test_a_generate_until_batch_of_empty_prompts_is_refused_with_or_without_buckets(tiny):
+    """Stock HFLM fails inside generate() on a batch of empty prompts; with buckets the batch was padded and continued
+    from padding alone, and scored."""
+    from optimum.habana import gaudi_model_class
+    from optimum.habana.cli.evaluation.lm_eval.model import EvalOptions, GaudiEvalLM
+
+    model = gaudi_model_class("llama").from_pretrained(tiny)
+    tokenizer = AutoTokenizer.from_pretrained(tiny)
+    for buckets in ((), (8,)):
+        lm = GaudiEvalLM(model, tokenizer, EvalOptions(attention={"use_flash_attention": True}, buckets=buckets))
+        with pytest.raises(ValueError, match="generate_until requests with empty prompts"):
+            lm._model_generate(torch.zeros((2, 0), dtype=torch.long), max_length=4, stop=["\n"])

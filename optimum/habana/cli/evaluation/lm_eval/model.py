@@ -116,6 +116,10 @@ class GaudiEvalLM(HFLM):
     ) -> torch.Tensor:
         """generate() for a left-padded batch; with buckets it is left-padded further, and the output trimmed back,
         so HFLM finds the new tokens where it expects them."""
+        if context.shape[1] == 0:  # stock HFLM fails inside generate(); with buckets it would continue from padding
+            raise ValueError(
+                "generate_until requests with empty prompts: their task's doc_to_text gives no text to continue."
+            )
         attention_mask = generation_kwargs.pop("attention_mask", None)
         if attention_mask is None:
             attention_mask = torch.ones_like(context)
