@@ -256,3 +256,34 @@ def test_a_local_layers_padded_prompt_keeps_transformers_window(padding, monkeyp
         logits = ours(**inputs, use_flash_attention=True).logits
     real = inputs["attention_mask"].bool()
     assert (logits[real] - expected[real]).abs().max() <= 1e-4
+
+
+@pytest.mark.parametrize("model_type", in_make_test(["phimoe", "doge"], {"phimoe"}))
+def test_a_window_the_mask_builder_takes_from_the_config_is_kept_by_the_flag(model_type):
+    """PhiMoE (and Doge) window their layers through the mask alone: `create_sliding_window_causal_mask`
+    when `config.sliding_window` is set, no window handed to the attention, no layer kinds. The flag's planned prompt
+    replaced that mask and attended causally over the whole prompt (logits 0.1-0.5 off at every real position)."""
+    ours, stock = family_pair(model_type, sliding_window=4)
+    assert ours.config.sliding_window == 4 and getattr(ours.config, "layer_types", None) is None
+    inputs = left_padded_batch(LENGTHS)
+    expected = greedy(stock, inputs)
+    assert_same_steps(greedy(ours, inputs, use_flash_attention=True), expected)
+    right = {"input_ids": inputs["input_ids"], "attention_mask": inputs["attention_mask"].flip(-1)}
+    with torch.no_grad():
+        found = ours(**right, use_flash_attention=True).logits
+        reference = stock(**right).logits
+    real = right["attention_mask"].bool()
+    torch.testing.assert_close(found[real], reference[real], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("model_type", in_make_test(["mistral", "gemma3_text", "gpt_oss", "cohere2"], {"mistral"}))
+def test_a_windowed_row_padded_on_both_sides_continues_as_stocks(model_type):
+    """Padding before and after a row's tokens (transformers' model tests pad a lower-triangular batch on the left):
+    a windowed layer runs it with transformers' mask, whose padding queries see the real keys before them. All were
+    zeroed, the last one too, from which generate() continues: other tokens than stock's."""
+    ours, stock = family_pair(model_type)
+    input_ids = torch.randint(3, 200, (2, 14), generator=torch.Generator().manual_seed(5))
+    attention_mask = torch.ones_like(input_ids)
+    attention_mask[0, :2] = attention_mask[0, 11:] = 0  # 2 padding, 9 real tokens, 3 padding
+    inputs = {"input_ids": input_ids.masked_fill(attention_mask == 0, 0), "attention_mask": attention_mask}
+    assert_same_steps(greedy(ours, inputs, use_flash_attention=True), greedy(stock, inputs))

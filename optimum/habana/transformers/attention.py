@@ -38,6 +38,7 @@ from ..kernels.variable_length import (
 )
 from .attention_flags import DEFAULT_PATH_FLAGS, AttentionFlags, attention_flags_of, call_attention_flags
 from .batch_layout import paged_segments
+from .families.qualification import family_is_windowed
 from .latent_attention import absorbable_up_projection, expanded, receives_compressed_latent
 from .paged_attention import check_cache_geometry, paged_step_in_place
 from .planned_masks import is_real_keys_only, planned_mask, prompt_mask, scored_mask
@@ -194,7 +195,9 @@ def attention_forward(
             padded_prompt = None
         elif padded_prompt.side == "any":  # padding in the middle: the window counts it, as transformers does
             attention_mask = prompt_mask(padded_prompt, key.shape[2], window, chunk)
-            padding_queries = ~padded_prompt.real[:, None, :, None]
+            # stock's mask gives a padding query the real keys before it (generate() continues a row that ends in
+            # padding from its last position): only a row with none keeps its zero
+            padding_queries = ~attention_mask.any(dim=-1, keepdim=True)
             padded_prompt = None
     if flags.use_flash_attention:
         warn_about_default_path_flags(flags)
@@ -297,12 +300,14 @@ def local_extent(module: nn.Module, sliding_window: int | None, q_len: int) -> t
 
     The window comes as the family passes it, or, like the chunk, from transformers' own convention for local layers
     (`config.layer_types[layer_idx]` with `config.sliding_window` or `config.attention_chunk_size`), which its masks
-    follow."""
+    follow; a family without layer kinds whose mask builder windows by the config alone (PhiMoE) has
+    `config.sliding_window` on every layer."""
     config = getattr(module, "config", None)
     layer_types = getattr(config, "layer_types", None) or ()
     layer_index = getattr(module, "layer_idx", None)
     kind = layer_types[layer_index] if isinstance(layer_index, int) and layer_index < len(layer_types) else None
-    if sliding_window is None and kind == "sliding_attention":
+    windowed_by_config = not layer_types and config is not None and family_is_windowed(config.model_type)
+    if sliding_window is None and (kind == "sliding_attention" or windowed_by_config):
         sliding_window = getattr(config, "sliding_window", None)
     chunk = getattr(config, "attention_chunk_size", None) if kind == "chunked_attention" else None
     window = sliding_window if isinstance(sliding_window, int) and q_len > sliding_window else None

@@ -54,7 +54,7 @@ from .batch_layout import (
 from .cache import BucketedStaticCache
 from .continuous_batching import ChosenAttnImplementation, engine_flags, init_manager
 from .decoder_inputs import prepare_decoder_call
-from .families.qualification import family_runs_mask_free
+from .families.qualification import family_is_windowed, family_runs_mask_free
 from .families.source_facts import decoder_path
 from .generation import GaudiGenerationConfig, GaudiGenerationMixin
 from .latent_attention import keep_latent_compressed
@@ -108,6 +108,7 @@ class GaudiAttentionMixin(GaudiGenerationMixin):
         # A copy: the attention choice written below must not leak into a stock model built from the same object.
         super().__init__(copy.deepcopy(config), *args, **kwargs)
         family_runs_mask_free(self.config.model_type)  # known before any forward asks, also inside a graph
+        family_is_windowed(self.config.model_type)
         view = AttentionConfigView(self.config, self.generation_config)
         self.__dict__["_attention_config_view"] = view
         for module in self.modules():

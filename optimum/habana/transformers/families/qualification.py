@@ -40,6 +40,7 @@ from .source_facts import (
     computes_attention_itself,
     decoder_path,
     drops_generation_kwargs,
+    forward_reads,
     init_names,
     interface_calls,
     interface_lookup_names_of,
@@ -228,7 +229,7 @@ def _judge(model_type: str, stock: type) -> FamilyReport:
         model_type,
         stock.__name__,
         True,
-        variants=_variants(stock, attention),
+        variants=_variants(stock, attention, classes),
         mask_free=_mask_free(stock, edges, attention),
         attention_classes=names,
         calls_per_attention=max(len(interface_calls(cls)) for cls in attention),
@@ -362,7 +363,7 @@ def _keyword_path_reason(stock: type, edges: dict[type, list[tuple[str, type]]],
     return ""
 
 
-def _variants(stock: type, attention: set[type]) -> tuple[str, ...]:
+def _variants(stock: type, attention: set[type], classes: set[type]) -> tuple[str, ...]:
     keywords = set()
     for cls in attention:
         for call in interface_calls(cls):
@@ -384,13 +385,19 @@ def _variants(stock: type, attention: set[type]) -> tuple[str, ...]:
         variants.append(CHUNKED)
     if "sliding_attention" in layer_kinds and layer_kinds & {"full_attention", "chunked_attention"}:
         variants.append(ALTERNATING)
-    elif "sliding_window" in keywords or "sliding_attention" in layer_kinds:
+    elif "sliding_window" in keywords or "sliding_attention" in layer_kinds or windows_by_config(classes):
         variants.append(WINDOW)
     if layer_kinds & NON_ATTENTION_LAYERS:
         variants.append(HYBRID)
     if _is_heterogeneous(config):
         variants.append(PER_LAYER)
     return tuple(variants) or (PLAIN,)
+
+
+def windows_by_config(classes: set[type]) -> bool:
+    """Whether the model builds a sliding-window mask from `config.sliding_window` without any layer kinds, and its
+    attention is handed no window (PhiMoE: `create_sliding_window_causal_mask` when the config has a window)."""
+    return any(forward_reads(cls, "create_sliding_window_causal_mask") for cls in classes)
 
 
 @functools.cache
@@ -461,6 +468,17 @@ def _decoder_class(stock: type, edges: dict[type, list[tuple[str, type]]]) -> ty
 
 
 _MASK_FREE: dict[str, bool] = {}
+_WINDOWED: dict[str, bool] = {}
+
+
+def family_is_windowed(model_type: str) -> bool:
+    """Whether the family's masks can hold a sliding window (`WINDOW` or `ALTERNATING` among its variants): the one
+    of `config.sliding_window` where its attention is handed none and its config names no layer kinds (PhiMoE). In a
+    plain dict, as `family_runs_mask_free`."""
+    known = _WINDOWED.get(model_type)
+    if known is None:
+        known = _WINDOWED[model_type] = bool({WINDOW, ALTERNATING} & set(family_report(model_type).variants))
+    return known
 
 
 def family_runs_mask_free(model_type: str) -> bool:

@@ -472,6 +472,12 @@ def init_names(cls: type) -> set[str]:
 
 
 @functools.cache
+def forward_reads(cls: type, name: str) -> bool:
+    """Whether `cls`'s forward reads `name` (a function it calls, say)."""
+    located = method(cls, "forward")
+    return located is not None and name in _source_names(located[1])
+
+
 def builds_masks_with_transformers(cls: type) -> bool:
     """Whether `cls`'s forward builds its masks with transformers' mask builders (`masking_utils`)."""
     located = method(cls, "forward")
@@ -485,6 +491,7 @@ __all__ = [
     "calls_of",
     "class_node",
     "computes_attention_itself",
+    "forward_reads",
     "forward_parameters",
     "decoder_path",
     "drops_generation_kwargs",
