@@ -44,9 +44,8 @@ def test_every_path_serves_the_same_tokens_and_reports_its_memory(checkpoint):
     assert len({result["tokens_sha256"] for result in results.values()}) == 1
 
 
-def test_the_driver_writes_the_table_with_both_targets_and_keeps_earlier_results(
-    script, checkpoint, tmp_path, monkeypatch
-):
+def workers_run_in_process(monkeypatch) -> list[str]:
+    """Each path's worker replaced by its fake result, in this process; returns the paths in the order they ran."""
     calls = []
 
     def in_process(task, timeout, worker):
@@ -54,6 +53,13 @@ def test_the_driver_writes_the_table_with_both_targets_and_keeps_earlier_results
         return {**FAKE_RESULTS[task["path"]], "status": "ok", "seconds": 1.0, "peak_memory_bytes": 1 << 30}
 
     monkeypatch.setattr(workers, "run_worker", in_process)
+    return calls
+
+
+def test_the_driver_writes_the_table_with_both_targets_and_keeps_earlier_results(
+    script, checkpoint, tmp_path, monkeypatch
+):
+    calls = workers_run_in_process(monkeypatch)
     argv = ["--model", checkpoint, *SHORT, "--repeats", "2", "--output_dir", str(tmp_path)]
     assert script.main(argv) == 0
     assert calls == [*cb_benchmark_worker.PATHS, *cb_benchmark_worker.PATHS[1:], cb_benchmark_worker.PATHS[0]]
@@ -159,13 +165,7 @@ def test_ctrl_c_before_the_first_result_writes_nothing(script, checkpoint, tmp_p
 def test_a_path_named_twice_runs_once_a_repeat_and_the_finished_run_is_complete(
     script, checkpoint, tmp_path, monkeypatch
 ):
-    calls = []
-
-    def in_process(task, timeout, worker):
-        calls.append(task["path"])
-        return {**FAKE_RESULTS[task["path"]], "status": "ok", "seconds": 1.0, "peak_memory_bytes": 1 << 30}
-
-    monkeypatch.setattr(workers, "run_worker", in_process)
+    calls = workers_run_in_process(monkeypatch)
     argv = ["--model", checkpoint, *SHORT, "--repeats", "1", "--paths", "cb_flash", "static_flash", "cb_flash"]
     assert script.main([*argv, "--output_dir", str(tmp_path)]) == 0
     assert calls == ["cb_flash", "static_flash"]
