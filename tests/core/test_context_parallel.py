@@ -240,7 +240,8 @@ def test_a_resumed_epoch_leaves_out_exactly_the_trained_batches(monkeypatch, ski
     loader = [{"input_ids": torch.full((1, 4), round_)} for round_ in range(3)]
 
     def gather(out, own, group=None):
-        out[:] = [own, {"input_ids": own["input_ids"] + 100}]  # the partner's batch of the same round
+        # the partner's batch of the same round; past the last round neither has one
+        out[:] = [own, None if own is None else {"input_ids": own["input_ids"] + 100}]
 
     monkeypatch.setattr(torch.distributed, "all_gather_object", gather)
     batches = SplitBatches(loader, SequenceSplit(None, 2, 0))
@@ -249,6 +250,26 @@ def test_a_resumed_epoch_leaves_out_exactly_the_trained_batches(monkeypatch, ski
     batches.skip = skip
     assert [int(batch["input_ids"][0, 0]) for batch in batches] == every[skip:]
     assert [int(batch["input_ids"][0, 0]) for batch in batches] == every  # the next epoch is whole
+
+
+@pytest.mark.parametrize("skip", [0, 2, 4])
+def test_the_last_round_leaves_out_the_turn_of_a_process_without_a_batch(monkeypatch, skip):
+    """5 batches over 2 processes: the partner's shard holds 2, this one 3 (accelerate without even batches). The
+    last round trains this process's batch alone, and the epoch ends when neither has one: 5 turns, not 6."""
+    loader = [{"input_ids": torch.full((1, 4), round_)} for round_ in range(3)]
+    partner = {0: 100, 1: 101}
+
+    def gather(out, own, group=None):
+        index = None if own is None else int(own["input_ids"][0, 0])
+        theirs = {"input_ids": torch.full((1, 4), partner[index])} if index in partner else None
+        out[:] = [own, theirs]
+
+    monkeypatch.setattr(torch.distributed, "all_gather_object", gather)
+    batches = SplitBatches(loader, SequenceSplit(None, 2, 0), length=5)
+    every = [int(batch["input_ids"][0, 0]) for batch in batches]
+    assert every == [0, 100, 1, 101, 2] and len(batches) == 5
+    batches.skip = skip
+    assert [int(batch["input_ids"][0, 0]) for batch in batches] == every[skip:]
 
 
 def test_every_process_must_have_the_fused_kernel_with_the_flag(monkeypatch):

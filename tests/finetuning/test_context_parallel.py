@@ -16,7 +16,12 @@ from tests.finetuning.support import SCRIPT, run_script, script_args
 from tests.helpers import free_port
 
 
-STEPS = "--do_train --max_steps 3 --per_device_train_batch_size 2 --logging_steps 1 --learning_rate 1e-2"
+# An epoch of 9 examples: 5 batches, which 2 processes do not divide, the last one smaller (accelerate's even batches
+# trained a sixth, repeated, and completed the fifth with the first example).
+STEPS = (
+    "--do_train --num_train_epochs 1 --max_train_samples 9 --per_device_train_batch_size 2 --logging_steps 1 "
+    "--learning_rate 1e-2"
+)
 # LoRA's dropout draws its masks per process, over each process's positions: off, so that the runs compare exactly.
 EXACT = "--use_cpu --max_seq_length 64 --lora_dropout 0"
 
@@ -59,12 +64,12 @@ def test_two_processes_splitting_each_sequence_train_as_one_process(script, chec
     assert alone.counts["fused"] > 0 and alone.counts["default"] == 0
     assert "2 processes (context parallel 2: each sequence split over 2 processes)" in done.stdout
     expected, found = alone.losses, logged_losses(two)
-    assert len(found) == len(expected) == 3
+    assert len(found) == len(expected) == 5
     assert found == pytest.approx(expected, rel=1e-4)
     adapter, split_adapter = load_file(one / "adapter_model.safetensors"), load_file(two / "adapter_model.safetensors")
     assert adapter.keys() == split_adapter.keys()
-    for name, weight in adapter.items():  # three optimizer steps on the same gradients
-        assert (split_adapter[name] - weight).abs().max() <= 1e-5 * weight.abs().max(), name
+    for name, weight in adapter.items():  # five Adam steps on the same gradients, to float rounding
+        assert (split_adapter[name] - weight).abs().max() <= 1e-4 * weight.abs().max(), name
 
 
 class LoadedTheModel(Exception):

@@ -5,7 +5,8 @@ are data-parallel replicas of each other. Three pieces of glue, nothing else cha
 
 - the batches (`SplitBatches`): accelerate shards the training batches over all processes, as for data parallelism;
   each group then trains its processes' batches one after the other, every process on its part of each sequence
-  (DeepSpeed's `UlyssesSPDataLoaderAdapter` order). With one replica that is one process's order of batches.
+  (DeepSpeed's `UlyssesSPDataLoaderAdapter` order). With one replica that is one process's order of batches, and
+  its epoch: accelerate's even batches are off for it (they fill the last round with the first examples again).
 - the forward: `context_parallel=split` in the training forward, so that attention runs over the whole sequence.
 - the loss: the model's loss of this process's positions, summed over the labelled tokens of all processes and
   divided by their count (transformers' `num_items_in_batch`, which the Trainer gathers over the processes and
@@ -13,6 +14,7 @@ are data-parallel replicas of each other. Three pieces of glue, nothing else cha
 """
 
 import copy
+import itertools
 from collections.abc import Iterator
 from typing import Any
 
@@ -96,27 +98,41 @@ def split_of_this_process(size: int) -> SequenceSplit:
 
 
 class SplitBatches:
-    """The training batches of a group's processes, in turn, each cut into this process's part (see the module)."""
+    """The training batches of a group's processes, in turn, each cut into this process's part (see the module).
 
-    def __init__(self, loader: Any, split: SequenceSplit, pad_token_id: int = 0) -> None:
+    The processes' loaders are sharded without accelerate's even batches: in the last round, a process whose shard
+    holds one batch fewer hands in None and its turn is left out. Even batches would fill it with the first samples
+    again (an epoch of 5 batches over 2 processes trained 6, and complete its last, smaller batch the same way), and
+    the Trainer's schedule would count them: not one process's epoch. `length` is the group's batches in all."""
+
+    def __init__(self, loader: Any, split: SequenceSplit, pad_token_id: int = 0, length: int | None = None) -> None:
         self.loader = loader
         self.split = split
         self.pad_token_id = pad_token_id
+        self.length = len(loader) * split.size if length is None else length
         self.skip = 0  # batches of this order the next pass leaves out (a resumed epoch's trained ones)
 
     def __len__(self) -> int:
-        return len(self.loader) * self.split.size
+        return self.length
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         skip, self.skip = self.skip, 0
-        for index, batch in enumerate(self.loader):
+        own_batches = iter(self.loader)
+        for index in itertools.count():  # every process runs the same rounds: each gathers, whether it has a batch
+            batch = next(own_batches, None)
             if (index + 1) * self.split.size <= skip:  # every batch of this round was trained: not even gathered
                 continue
-            own = {name: value.cpu() if isinstance(value, torch.Tensor) else value for name, value in batch.items()}
+            own = None
+            if batch is not None:
+                own = {
+                    name: value.cpu() if isinstance(value, torch.Tensor) else value for name, value in batch.items()
+                }
             batches: list[Any] = [None] * self.split.size
             dist.all_gather_object(batches, own, group=self.split.group)
-            for turn, whole in enumerate(batches):
-                if index * self.split.size + turn >= skip:
+            if all(whole is None for whole in batches):
+                return
+            for turn, whole in enumerate(batches):  # only the last round holds a None, after its batches
+                if whole is not None and index * self.split.size + turn >= skip:
                     yield self.split.shard(whole, self.pad_token_id)
 
     def __getattr__(self, name: str) -> Any:  # set_epoch, the sampler, the dataset: the loader's own
@@ -187,11 +203,17 @@ class ContextParallelTrainer(Trainer):
             check_fused_kernel_everywhere(context_parallel_size, self.args.device)
 
     def get_train_dataloader(self) -> Any:
-        loader = super().get_train_dataloader()
         if self.sequence_split is None:
-            return loader
+            return super().get_train_dataloader()
+        even_batches, self.accelerator.even_batches = self.accelerator.even_batches, False  # see SplitBatches
+        try:
+            loader = super().get_train_dataloader()
+        finally:
+            self.accelerator.even_batches = even_batches
+        lengths: list[Any] = [None] * self.sequence_split.size
+        dist.all_gather_object(lengths, len(loader), group=self.sequence_split.group)
         pad_token_id = getattr(self.processing_class, "pad_token_id", None) or 0
-        self._split_batches = SplitBatches(loader, self.sequence_split, pad_token_id)
+        self._split_batches = SplitBatches(loader, self.sequence_split, pad_token_id, length=sum(lengths))
         return self._split_batches
 
     def _init_training_state(self, *args: Any, **kwargs: Any) -> tuple[int, int]:
