@@ -205,7 +205,10 @@ class ContextParallelTrainer(Trainer):
     def get_train_dataloader(self) -> Any:
         if self.sequence_split is None:
             return super().get_train_dataloader()
-        even_batches, self.accelerator.even_batches = self.accelerator.even_batches, False  # see SplitBatches
+        # One group (no replica beside it): one process's epoch, see SplitBatches. Replicas keep accelerate's even
+        # batches, as data parallelism does: each replica must take as many steps as the others (DDP's all-reduce).
+        even_batches = self.accelerator.even_batches
+        self.accelerator.even_batches = even_batches and self.args.world_size > self.sequence_split.size
         try:
             loader = super().get_train_dataloader()
         finally:
