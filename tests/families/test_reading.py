@@ -18,12 +18,10 @@ from optimum.habana.transformers.continuous_batching import check_engine_serves
 from optimum.habana.transformers.families import source_facts
 from optimum.habana.transformers.families.branches import forwards_kwargs_to
 from optimum.habana.transformers.families.cache_facts import computes_with_cached_states, writes_cache_at_own_index
-from optimum.habana.transformers.families.qualification import (
-    causal_lm_model_types,
-    family_report,
-    family_runs_mask_free,
-)
-from optimum.habana.transformers.families.source_facts import MASK_BUILDERS, decoder_path, mask_uses
+from optimum.habana.transformers.families.lookups import family_runs_mask_free
+from optimum.habana.transformers.families.mask_facts import MASK_BUILDERS, mask_uses
+from optimum.habana.transformers.families.qualification import causal_lm_model_types, family_report
+from optimum.habana.transformers.families.source_facts import decoder_path
 from optimum.habana.transformers.models import family_problem
 
 

@@ -38,7 +38,7 @@ from ..kernels.variable_length import (
 )
 from .attention_flags import DEFAULT_PATH_FLAGS, AttentionFlags, attention_flags_of, call_attention_flags
 from .batch_layout import paged_segments
-from .families.qualification import family_is_windowed
+from .families.lookups import family_is_windowed
 from .latent_attention import absorbable_up_projection, expanded, receives_compressed_latent
 from .paged_attention import check_cache_geometry, paged_step_in_place
 from .planned_masks import is_real_keys_only, planned_mask, prompt_mask, scored_mask
@@ -195,9 +195,10 @@ def attention_forward(
             padded_prompt = None
         elif padded_prompt.side == "any":  # padding in the middle: the window counts it, as transformers does
             attention_mask = prompt_mask(padded_prompt, key.shape[2], window, chunk)
-            # stock's mask gives a padding query the real keys before it (generate() continues a row that ends in
-            # padding from its last position): only a row with none keeps its zero
-            padding_queries = ~attention_mask.any(dim=-1, keepdim=True)
+            # zero, as on the other padded paths, but at the last position of a row that ends in padding, where
+            # generate() continues: stock's attention there, from the mask, unless no real key is in reach
+            padding_queries = ~padded_prompt.real[:, None, :, None]
+            padding_queries[:, :, -1] = ~attention_mask[:, :, -1].any(dim=-1, keepdim=True)
             padded_prompt = None
     if flags.use_flash_attention:
         warn_about_default_path_flags(flags)

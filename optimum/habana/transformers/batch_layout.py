@@ -29,7 +29,8 @@ from transformers.utils.import_utils import is_tracing
 
 from ..kernels.dispatch import host_reads_allowed, needs_padding_mask, on_hpu
 from ..kernels.variable_length import PaddedPrompt, PromptPaddingSide, Segment, Segments
-from .families.qualification import ALTERNATING, CHUNKED, WINDOW, family_report, family_runs_mask_free
+from .families.lookups import family_runs_mask_free
+from .families.qualification import ALTERNATING, CHUNKED, WINDOW, family_report
 
 
 PADDING_SIDES = ("none", "left", "right", "any")

@@ -54,7 +54,7 @@ from .batch_layout import (
 from .cache import BucketedStaticCache
 from .continuous_batching import ChosenAttnImplementation, engine_flags, init_manager
 from .decoder_inputs import prepare_decoder_call
-from .families.qualification import family_is_windowed, family_runs_mask_free
+from .families.lookups import family_is_windowed, family_runs_mask_free
 from .families.source_facts import decoder_path
 from .generation import GaudiGenerationConfig, GaudiGenerationMixin
 from .latent_attention import keep_latent_compressed

@@ -31,7 +31,7 @@ from transformers import PreTrainedConfig, PreTrainedModel, TrainerCallback
 from transformers.pytorch_utils import Conv1D
 
 from optimum.habana.transformers.attention_flags import attention_flags_of
-from optimum.habana.transformers.families.qualification import attention_modules_of
+from optimum.habana.transformers.families.lookups import attention_modules_of
 
 from .errors import FineTuningError
 

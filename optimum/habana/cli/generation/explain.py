@@ -26,7 +26,7 @@ from optimum.habana.kernels.latent import absorbs
 from optimum.habana.transformers.attention_flags import AttentionFlags
 from optimum.habana.transformers.batch_layout import local_layers_run_planned, padding_mask_is_all_it_needs
 from optimum.habana.transformers.cache import bucketed_length
-from optimum.habana.transformers.families.qualification import attention_modules_of
+from optimum.habana.transformers.families.lookups import attention_modules_of
 from optimum.habana.transformers.latent_attention import receives_compressed_latent
 from optimum.habana.transformers.models import family_problem, gaudi_model_class
 from optimum.habana.utils.gguf_parsing import parsed_once

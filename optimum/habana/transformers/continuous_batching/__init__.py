@@ -42,7 +42,8 @@ from transformers.generation.continuous_batching.requests import RequestState
 from ..attention_flags import attention_flags_of
 from ..batch_layout import padding_mask_is_all_it_needs
 from ..families.cache_facts import computes_with_cached_states, writes_cache_at_own_index
-from ..families.qualification import LATENT, attention_modules_of, family_report
+from ..families.lookups import attention_modules_of
+from ..families.qualification import LATENT, family_report
 from .failed_steps import StepIsolation
 
 

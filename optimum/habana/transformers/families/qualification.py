@@ -25,7 +25,6 @@ import importlib
 import logging
 import warnings
 from dataclasses import dataclass
-from typing import Any
 
 import transformers
 from transformers import CONFIG_MAPPING
@@ -33,18 +32,15 @@ from transformers.models.auto.configuration_auto import model_type_to_module_nam
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_FOR_MASKED_LM_MAPPING_NAMES
 
 from .branches import forwards_kwargs_to
+from .mask_facts import MASK_BUILDERS, builds_masks_with_transformers, forward_reads, mask_uses
 from .source_facts import (
-    MASK_BUILDERS,
-    builds_masks_with_transformers,
     call_keywords,
     computes_attention_itself,
     decoder_path,
     drops_generation_kwargs,
-    forward_reads,
     init_names,
     interface_calls,
     interface_lookup_names_of,
-    mask_uses,
     reads_config,
     submodules,
 )
@@ -467,36 +463,6 @@ def _decoder_class(stock: type, edges: dict[type, list[tuple[str, type]]]) -> ty
     return decoder
 
 
-_MASK_FREE: dict[str, bool] = {}
-_WINDOWED: dict[str, bool] = {}
-
-
-def family_is_windowed(model_type: str) -> bool:
-    """Whether the family's masks can hold a sliding window (`WINDOW` or `ALTERNATING` among its variants): the one
-    of `config.sliding_window` where its attention is handed none and its config names no layer kinds (PhiMoE). In a
-    plain dict, as `family_runs_mask_free`."""
-    known = _WINDOWED.get(model_type)
-    if known is None:
-        known = _WINDOWED[model_type] = bool({WINDOW, ALTERNATING} & set(family_report(model_type).variants))
-    return known
-
-
-def family_runs_mask_free(model_type: str) -> bool:
-    """`family_report(model_type).mask_free`, kept in a plain dict: the decoder asks on every forward, also while
-    torch.compile traces it (a Gaudi model asks once when it is built, so the answer is known by then)."""
-    known = _MASK_FREE.get(model_type)
-    if known is None:
-        known = _MASK_FREE[model_type] = family_report(model_type).mask_free
-    return known
-
-
-def attention_modules_of(model: Any) -> list[Any]:
-    """The model's modules of its family's attention classes (`FamilyReport.attention_classes`): the ones the Gaudi
-    attention serves."""
-    classes = set(family_report(model.config.model_type).attention_classes)
-    return [module for module in model.modules() if type(module).__name__ in classes]
-
-
 def qualifying_model_types() -> tuple[str, ...]:
     return tuple(model_type for model_type in causal_lm_model_types() if family_report(model_type).qualifies)
 
@@ -505,12 +471,10 @@ __all__ = [
     "HONOURED_ARGUMENTS",
     "FUSED_PATHS",
     "FamilyReport",
-    "attention_modules_of",
     "causal_lm_family",
     "causal_lm_model_types",
     "default_config",
     "family_report",
-    "family_runs_mask_free",
     "qualifying_model_types",
     "transformers",
 ]

@@ -76,7 +76,7 @@ def _report_from_json(model_type: str, fields: object) -> FamilyReport:
 def _fingerprint() -> str:
     """The installed transformers (version and modeling files) and this package's rules, as a short hash."""
     digest = hashlib.sha256(f"{transformers.__version__} {__version__}".encode())
-    for rules in ("qualification.py", "source_facts.py", "branches.py", "cache_facts.py"):
+    for rules in ("qualification.py", "source_facts.py", "mask_facts.py", "branches.py", "cache_facts.py"):
         digest.update((Path(__file__).parents[1] / "families" / rules).read_bytes())
     for path in sorted(Path(transformers.__file__).parent.glob("models/*/modeling_*.py")):
         status = path.stat()
