@@ -60,8 +60,6 @@ from .generation import GaudiGenerationConfig, GaudiGenerationMixin
 from .latent_attention import keep_latent_compressed
 
 
-# The modules of the Gaudi classes this package defines (a user's subclass lives elsewhere).
-_OWN_MODULES = ("optimum.habana.",)
 # The `attn_implementation` values a Gaudi model accepts, and the default `use_flash_attention` each one sets
 # (None: leave it to the generation config).
 # generate() keyword arguments that its decoding loop reads and that stock generate() passes on to forward.
@@ -92,7 +90,7 @@ class GaudiAttentionMixin(GaudiGenerationMixin):
         stock_return = stock_forward.__annotations__.get("return")
         # Decided once per class, a constant to a compiled forward: MusicGen Melody's decoder takes no logits_to_keep.
         cls._stock_takes_logits_to_keep = "logits_to_keep" in inspect.signature(stock_forward).parameters
-        if cls.__module__.startswith(_OWN_MODULES):
+        if _is_own_class(cls):
             _share_stock_conversions(cls)
         if "forward" in cls.__dict__:
             return
@@ -139,7 +137,7 @@ class GaudiAttentionMixin(GaudiGenerationMixin):
         keys and initialise what a checkpoint lacks as for the stock class (custom code gets neither: GPT-NeoX's
         `embed_out` stayed unloaded, Falcon-H1's `mup_vector` uninitialised). A user's subclass defined elsewhere is
         custom code, as over a stock class."""
-        if cls.__module__.startswith(_OWN_MODULES):
+        if _is_own_class(cls):
             return _stock_class(cls).is_custom_code()
         return super().is_custom_code()
 
@@ -147,7 +145,7 @@ class GaudiAttentionMixin(GaudiGenerationMixin):
         """The stock class's name: transformers' Trainer shifts the labels of its label smoothing only for a class
         it finds by name among the causal LMs (a Gaudi class's own name taught the model the current token). A user's
         subclass keeps its own name, as over a stock class."""
-        if type(self).__module__.startswith(_OWN_MODULES):
+        if _is_own_class(type(self)):
             return _stock_class(type(self)).__name__
         return super()._get_name()
 
@@ -249,7 +247,7 @@ class GaudiAttentionMixin(GaudiGenerationMixin):
         hub = {name: kwargs.pop(name) for name in ("repo_id", "commit_message", "create_pr") if name in kwargs}
         super().save_pretrained(save_directory, *args, **kwargs)
         saves = self.should_save_on_this_rank(kwargs.get("is_main_process", True))
-        if type(self).__module__.startswith(_OWN_MODULES):
+        if _is_own_class(type(self)):
             stock_names = [_stock_class(type(self)).__name__]
             self.config.architectures = stock_names
             config_file = Path(save_directory) / CONFIG_NAME
@@ -387,6 +385,11 @@ def _stock_class(gaudi_class: type) -> type[PreTrainedModel]:
         if issubclass(candidate, PreTrainedModel) and not issubclass(candidate, GaudiAttentionMixin):
             return candidate
     raise TypeError(f"{gaudi_class.__name__} mixes GaudiAttentionMixin into no transformers model class.")
+
+
+def _is_own_class(cls: type) -> bool:
+    """A Gaudi class this package defines, which stands for its stock class; a user's subclass lives elsewhere."""
+    return cls.__module__.startswith("optimum.habana.")
 
 
 def _share_stock_conversions(gaudi_class: type) -> None:
