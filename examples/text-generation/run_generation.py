@@ -16,6 +16,7 @@ import sys
 import time
 import warnings
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 
@@ -24,6 +25,8 @@ from optimum.habana.cli.common import check_output_dir, exit_on_interrupt_or_oom
 from optimum.habana.cli.compile_backend import compile_failure
 from optimum.habana.cli.generation import continuous_batching, multi_process
 from optimum.habana.cli.generation.arguments import (
+    RESULTS_FILENAME,
+    ScriptArguments,
     build_parser,
     flag_notes,
     parse_arguments,
@@ -54,6 +57,18 @@ from optimum.habana.utils.devices import memory_stats, model_size_bytes, reset_p
 from optimum.habana.utils.distributed import launch_environment
 from optimum.habana.utils.graph_capture import CompileCounter
 from optimum.habana.utils.model_loading import ModelResolutionError
+
+
+def kept_results(arguments: ScriptArguments, results: dict) -> Path:
+    """results.json written; one that another run put in the folder since it was checked is kept, and said so."""
+    output = arguments.output
+    path = write_results(output.output_dir, results, overwrite=output.overwrite_output_dir)
+    if path.name != RESULTS_FILENAME:
+        kept = Path(output.output_dir) / RESULTS_FILENAME
+        print(
+            f"run_generation.py: note: {kept} appeared during the run (another run's?) and is kept.", file=sys.stderr
+        )
+    return path
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -94,7 +109,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             check_adapter_folder(arguments.model.peft_model, "--peft_model")
         device, dtype = resolve_execution(arguments)
         pool = prompt_pool(workload)
-        notes = flag_notes(arguments, device, dtype)
+        notes = flag_notes(arguments, device, dtype, pool_size=len(pool))
         if execution.continuous_batching:
             notes += filter(None, [continuous_batching.batch_size_note(len(pool), workload.batch_size)])
         for note in notes:
@@ -232,8 +247,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "max_position_embeddings": getattr(model.config, "max_position_embeddings", None),
             },
         )
-        path = write_results(arguments.output.output_dir, results)
-        print(f"Results written to {path}")
+        print(f"Results written to {kept_results(arguments, results)}")
     multi_process.finish(run)
     return 0
 
@@ -287,7 +301,7 @@ def generate_continuously(arguments, parser, model, tokenizer, requests, prompts
             device=device,
             generation_config=generation_config,
         )
-        print(f"Results written to {write_results(arguments.output.output_dir, results)}")
+        print(f"Results written to {kept_results(arguments, results)}")
     failed = [request for run in runs for request in run.requests if request.error is not None]
     if failed:  # the others' results are printed and kept above; the run did not do all it was asked
         first = failed[0]

@@ -246,3 +246,20 @@ def test_a_failed_request_is_one_line_and_a_failing_exit_with_the_others_results
     failed = [request for request in results["stats"]["per_request"] if request["error"]]
     assert failed and all(request["error"] == "poisoned step" for request in failed)
     assert results["stats"]["failed_requests"] == len(failed) < 3  # the others were served
+
+
+def test_dataset_rows_beyond_the_batch_are_named_in_a_note(tmp_path):
+    """generate() takes --batch_size rows of the pool; --prompt's extra prompts were named in a note, a dataset's
+    extra rows were dropped silently (Optimum-Habana users expect the whole dataset)."""
+    import torch
+
+    from optimum.habana.cli.generation.arguments import flag_notes
+
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"question": text}) + "\n" for text in PROMPTS))
+    arguments = parse(["--dataset_name", str(data), "--column_name", "question", "--batch_size", "2"])
+    notes = flag_notes(arguments, torch.device("cpu"), torch.float32, pool_size=len(PROMPTS))
+    unused = len(PROMPTS) - 2
+    assert f"--dataset_name: {len(PROMPTS)} prompts for --batch_size 2: the last {unused} are not used" in notes[-1]
+    engine = parse(["--dataset_name", str(data), "--batch_size", "2", "--continuous_batching"])
+    assert not any("are not used" in note for note in flag_notes(engine, torch.device("cpu"), torch.float32, 5))

@@ -1,5 +1,6 @@
 """run_generation.py under faults: out of memory and Ctrl-C give one line, an exit code, and no partial results."""
 
+import json
 import os
 import signal
 import subprocess
@@ -94,3 +95,22 @@ def test_an_output_dir_that_cannot_be_written_fails_before_loading(script, tiny_
     assert exit_info.value.code == 2
     stderr = capsys.readouterr().err
     assert "--output_dir" in stderr and "is a file, not a folder" in stderr and "Loading weights" not in stderr
+
+
+def test_results_another_run_wrote_meanwhile_are_kept(script, tiny_checkpoint, tmp_path, capsys, monkeypatch):
+    """Two runs started into one empty --output_dir both passed its check; the second to finish replaced the first's
+    results.json while the first said it had written it. The later one now takes results-1.json, and says so."""
+    output_dir = tmp_path / "results"
+    document = script.results_document
+
+    def another_run_finishes_first(*args, **kwargs):
+        (output_dir / "results.json").write_text('{"another": "run"}')
+        return document(*args, **kwargs)
+
+    monkeypatch.setattr(script, "results_document", another_run_finishes_first)
+    assert script.main(tiny_argv(tiny_checkpoint, "--output_dir", str(output_dir))) == 0
+    assert json.loads((output_dir / "results.json").read_text()) == {"another": "run"}
+    assert "throughput" in json.loads((output_dir / "results-1.json").read_text())
+    captured = capsys.readouterr()
+    assert f"Results written to {output_dir / 'results-1.json'}" in captured.out
+    assert "results.json appeared during the run (another run's?) and is kept." in captured.err

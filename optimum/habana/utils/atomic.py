@@ -8,6 +8,7 @@ The new file gets the permissions the user's umask gives, like any file `open(pa
 
 import contextlib
 import errno
+import itertools
 import os
 import tempfile
 from pathlib import Path
@@ -39,6 +40,20 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes, replace: bool = Tru
 def atomic_write_text(path: str | os.PathLike, text: str, encoding: str = "utf-8", replace: bool = True) -> Path:
     """Write `text` to `path` atomically; returns the path written (`replace`: as for `atomic_write_bytes`)."""
     return atomic_write_bytes(path, text.encode(encoding), replace)
+
+
+def atomic_write_text_beside(path: str | os.PathLike, text: str, encoding: str = "utf-8") -> Path:
+    """Write `text` to `path` atomically, or, where a file is there when it would take its place (another run's,
+    that appeared since the caller checked), to the first free name beside it (`results-1.json`, ...); returns the
+    path written, so that the caller can say where its results went."""
+    path = Path(path)
+    for attempt in itertools.count():
+        candidate = path if attempt == 0 else path.with_name(f"{path.stem}-{attempt}{path.suffix}")
+        try:
+            return atomic_write_text(candidate, text, encoding, replace=False)
+        except FileExistsError:
+            continue
+    raise AssertionError("unreachable")
 
 
 def _put_in_place_unless_taken(temporary: str, path: Path) -> None:
@@ -77,4 +92,4 @@ def _fsync_folder(folder: Path) -> None:
             os.close(descriptor)
 
 
-__all__ = ["atomic_write_bytes", "atomic_write_text", "current_umask"]
+__all__ = ["atomic_write_bytes", "atomic_write_text", "atomic_write_text_beside", "current_umask"]

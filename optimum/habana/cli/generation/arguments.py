@@ -403,8 +403,11 @@ def check_continuous_batching(arguments: ScriptArguments) -> None:
         raise ValueError("--continuous_batching has no beam search in transformers: drop --num_beams or it.")
 
 
-def flag_notes(arguments: ScriptArguments, device: torch.device, dtype: torch.dtype) -> list[str]:
-    """One line for each given flag that does something else here than its name says, or nothing."""
+def flag_notes(
+    arguments: ScriptArguments, device: torch.device, dtype: torch.dtype, pool_size: int | None = None
+) -> list[str]:
+    """One line for each given flag that does something else here than its name says, or nothing. `pool_size`: the
+    prompts the user's source gave (`prompt_pool`), of which a batch takes --batch_size."""
     workload, execution, attention = arguments.workload, arguments.execution, arguments.attention
     notes = []
     if workload.trim_logits:
@@ -448,11 +451,17 @@ def flag_notes(arguments: ScriptArguments, device: torch.device, dtype: torch.dt
         notes.append(f"--bucket_size {execution.bucket_size}: no bucketing, as with -1 (pass N > 0 for buckets).")
     if bf16_note := slow_bf16_note(device, dtype):
         notes.append(f"--bf16: {bf16_note}")
-    if workload.prompt and len(workload.prompt) > workload.batch_size and not execution.continuous_batching:
-        unused = len(workload.prompt) - workload.batch_size
+    source = next(
+        (flag for flag, given in (("--prompt", workload.prompt), ("--dataset_name", workload.dataset_name)) if given),
+        None,
+    )
+    if pool_size is None and workload.prompt:
+        pool_size = len(workload.prompt)
+    if source and pool_size and pool_size > workload.batch_size and not execution.continuous_batching:
+        unused = pool_size - workload.batch_size
         notes.append(
-            f"--prompt: {len(workload.prompt)} prompts for --batch_size {workload.batch_size}: the last {unused} are not "
-            f"used (raise --batch_size to {len(workload.prompt)} to run them all)."
+            f"{source}: {pool_size} prompts for --batch_size {workload.batch_size}: the last {unused} are not "
+            f"used (raise --batch_size to {pool_size} to run them all)."
         )
     return notes
 

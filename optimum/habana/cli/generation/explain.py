@@ -161,7 +161,7 @@ def explain(arguments: ScriptArguments) -> str:
     lines += [f"  {line}" for line in graph_accounts(arguments, config, inputs, device)]
     lines += ["", "Flags:"]
     lines += [f"  {line}" for line in flag_accounts(arguments, device, layout.kind)]
-    notes = flag_notes(arguments, device, dtype)
+    notes = flag_notes(arguments, device, dtype, pool_size=len(pool))
     if notes:
         lines += ["", "Notes (printed by a real run too):"]
         lines += [f"  {note}" for note in notes]

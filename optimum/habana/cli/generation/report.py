@@ -15,7 +15,7 @@ from transformers import (
 
 from optimum.habana.cli.common import environment_versions
 from optimum.habana.transformers.generation import GaudiGenerationConfig
-from optimum.habana.utils.atomic import atomic_write_text
+from optimum.habana.utils.atomic import atomic_write_text, atomic_write_text_beside
 
 from .arguments import RESULTS_FILENAME, ScriptArguments
 
@@ -142,6 +142,9 @@ def format_bytes(count: int) -> str:
     return f"{count / GB:.2f} GiB" if count >= GB / 10 else f"{count / 1024**2:.1f} MiB"
 
 
-def write_results(output_dir: str | Path, results: dict[str, Any]) -> Path:
-    """`results.json` in `output_dir`, written atomically: a killed run leaves the earlier file (or none)."""
-    return atomic_write_text(Path(output_dir) / RESULTS_FILENAME, json.dumps(results, indent=2, default=str) + "\n")
+def write_results(output_dir: str | Path, results: dict[str, Any], overwrite: bool = False) -> Path:
+    """`results.json` in `output_dir`, written atomically: a killed run leaves the earlier file (or none). Without
+    `overwrite`, one that appeared during the run (another run's, into the same folder) is kept, and these results
+    take the first free name beside it (`results-1.json`); the caller says where they went."""
+    path, text = Path(output_dir) / RESULTS_FILENAME, json.dumps(results, indent=2, default=str) + "\n"
+    return atomic_write_text(path, text) if overwrite else atomic_write_text_beside(path, text)

@@ -7,7 +7,6 @@ tasks and the user's --include_path folders (see `select_tasks`). Each task's da
 dataset lives on the Hugging Face Hub fails there with one line that names it and says how to run offline.
 """
 
-import itertools
 import json
 import logging
 import sys
@@ -20,7 +19,7 @@ import lm_eval.tasks
 from lm_eval.tasks import TaskManager
 from lm_eval.utils import handle_non_serializable, make_table
 
-from optimum.habana.utils.atomic import atomic_write_text
+from optimum.habana.utils.atomic import atomic_write_text, atomic_write_text_beside
 
 
 SHIPPED_TASKS_DIR = Path(__file__).parent / "tasks"
@@ -155,15 +154,7 @@ def write_results(path: Path, results: dict[str, Any], overwrite: bool = False) 
     name beside it (`results-1.json`, ...); the caller says where they went."""
     text = json.dumps(results, indent=2, default=handle_non_serializable, ensure_ascii=False) + "\n"
     path.parent.mkdir(parents=True, exist_ok=True)  # checked writable at the start (`check_output_file`)
-    if overwrite:
-        return atomic_write_text(path, text)
-    for attempt in itertools.count():
-        candidate = path if attempt == 0 else path.with_name(f"{path.stem}-{attempt}{path.suffix}")
-        try:
-            return atomic_write_text(candidate, text, replace=False)
-        except FileExistsError:
-            continue
-    raise AssertionError("unreachable")
+    return atomic_write_text(path, text) if overwrite else atomic_write_text_beside(path, text)
 
 
 def summary_tables(results: dict[str, Any]) -> str:
