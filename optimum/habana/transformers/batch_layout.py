@@ -305,7 +305,9 @@ def _sequence_of(boundaries: torch.Tensor, length: int) -> tuple[torch.Tensor, t
 
 __all__ = [
     "PADDING_SIDES",
+    "ReadPaddingSide",
     "can_run_packed",
+    "generation_masks_are_the_familys",
     "is_empty_cache_prompt",
     "is_padding_mask",
     "local_layers_run_planned",
@@ -314,8 +316,6 @@ __all__ = [
     "padded_prompt",
     "padding_mask_is_all_it_needs",
     "padding_side_of",
-    "generation_masks_are_the_familys",
-    "ReadPaddingSide",
     "paged_bounds",
     "paged_segments",
     "plan_batch_layout",

@@ -186,7 +186,8 @@ def _judge(model_type: str, stock: type) -> FamilyReport:
         return FamilyReport(model_type, stock.__name__, False, reason, **fields)
 
     edges = _module_graph(stock)
-    multimodal = _multimodal_reason(model_type, stock, edges)
+    classes = {child for children in edges.values() for _, child in children} | {stock}
+    multimodal = _multimodal_reason(model_type, stock, classes)
     if multimodal:
         return refuse(multimodal)
     # An encoder-decoder model type's causal LM is its decoder: refused where its layers attend to the encoder's
@@ -194,7 +195,6 @@ def _judge(model_type: str, stock: type) -> FamilyReport:
     encoder_decoder = _is_encoder_decoder(model_type)
     if model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES and not encoder_decoder:
         return refuse("an encoder (masked-LM) model with a language-model head: the Gaudi attention serves decoders")
-    classes = {child for children in edges.values() for _, child in children} | {stock}
     attention = {cls for cls in classes if interface_calls(cls)}
     cross = _cross_attention(edges, attention) if encoder_decoder else []
     if cross:
@@ -232,21 +232,17 @@ def _judge(model_type: str, stock: type) -> FamilyReport:
     )
 
 
-def _multimodal_reason(model_type: str, stock: type, edges: dict[type, list[tuple[str, type]]]) -> str:
-    """Why the model type's causal LM is multimodal, or "": its config holds an audio or vision sub-config and the
-    causal LM builds such a module. A config shared with the multimodal model (Moshi's) does not make a causal LM
-    that builds only the text stack (`MoshiForCausalLM`, "only usable for text") multimodal."""
+def _multimodal_reason(model_type: str, stock: type, classes: set[type]) -> str:
+    """Why the model type's causal LM is multimodal, or "": its config holds an audio or vision sub-config and a
+    constructor of the causal LM's modules (`classes`) reads it. A config shared with the multimodal model (Moshi's)
+    does not make a causal LM that builds only the text stack (`MoshiForCausalLM`, "only usable for text")
+    multimodal."""
     config_class = CONFIG_MAPPING[model_type]
     sub_configs = getattr(config_class, "sub_configs", None) or {}
-    encoders = sorted(
-        name.removesuffix("_config") for name in sub_configs if any(part in name for part in MULTIMODAL_PARTS)
-    )
-    if stock.config_class is not config_class or not encoders:
+    encoder_configs = {name for name in sub_configs if any(part in name for part in MULTIMODAL_PARTS)}
+    if stock.config_class is not config_class or not any(encoder_configs & init_names(cls) for cls in classes):
         return ""
-    classes = {stock} | {child for children in edges.values() for _, child in children}
-    sub_config_names = {name for name in sub_configs if any(part in name for part in MULTIMODAL_PARTS)}
-    if not any(sub_config_names & init_names(cls) for cls in classes):
-        return ""  # no constructor of the causal LM's modules reads an audio or vision config
+    encoders = sorted(name.removesuffix("_config") for name in encoder_configs)
     text_type = getattr(sub_configs.get("text_config"), "model_type", None)
     if isinstance(text_type, str) and text_type:
         return (
@@ -282,18 +278,18 @@ def _module_graph(stock: type, depth: int = 6) -> dict[type, list[tuple[str, typ
 
 def _no_attention_reason(model_type: str) -> str:
     config_class = CONFIG_MAPPING[model_type]
-    config = default_config(config_class)
-    text_type = getattr(getattr(config, "text_config", None), "model_type", None)
+    sub_configs = getattr(config_class, "sub_configs", None) or {}
+    text_type = getattr(getattr(default_config(config_class), "text_config", None), "model_type", None)
     if not text_type:  # a config transformers cannot build with its defaults (Gemma 4's assistant): its class says
-        text_type = getattr((getattr(config_class, "sub_configs", None) or {}).get("text_config"), "model_type", None)
+        text_type = getattr(sub_configs.get("text_config"), "model_type", None)
     if text_type:
         return (
             f"its language model is built at run time from the model type {text_type!r}, which this reading does not "
             f"follow ({text_type!r} is judged on its own)"
         )
-    if "text_config" in (getattr(config_class, "sub_configs", None) or {}):
+    if "text_config" in sub_configs:
         return "its language model is built at run time from its text config, of any model type: this reading cannot follow it"
-    if hasattr(CONFIG_MAPPING[model_type], "num_attention_heads"):
+    if hasattr(config_class, "num_attention_heads"):
         return "its attention does not go through transformers' attention interface"
     return "it has no attention layer (a state-space or recurrent model): the flag has nothing to do"
 
@@ -391,8 +387,8 @@ def _variants(stock: type, attention: set[type], classes: set[type]) -> tuple[st
 
 
 def windows_by_config(classes: set[type]) -> bool:
-    """Whether the model builds a sliding-window mask from `config.sliding_window` without any layer kinds, and its
-    attention is handed no window (PhiMoE: `create_sliding_window_causal_mask` when the config has a window)."""
+    """Whether a forward of the model builds transformers' sliding-window mask: PhiMoE does so from
+    `config.sliding_window` alone, with no layer kinds and no window handed to its attention."""
     return any(forward_reads(cls, "create_sliding_window_causal_mask") for cls in classes)
 
 
