@@ -100,8 +100,8 @@ def split_of_this_process(size: int) -> SequenceSplit:
 class SplitBatches:
     """The training batches of a group's processes, in turn, each cut into this process's part (see the module).
 
-    The processes' loaders are sharded without accelerate's even batches: in the last round, a process whose shard
-    holds one batch fewer hands in None and its turn is left out. Even batches would fill it with the first samples
+    One group alone shards its processes' loaders without accelerate's even batches (replicas keep them): in the
+    last round, a process whose shard holds one batch fewer hands in None and its turn is left out. Even batches would fill it with the first samples
     again (an epoch of 5 batches over 2 processes trained 6, and complete its last, smaller batch the same way), and
     the Trainer's schedule would count them: not one process's epoch. `length` is the group's batches in all."""
 
