@@ -5,7 +5,7 @@ import pytest
 import torch
 import transformers
 
-from optimum.habana.transformers.models import family_report
+from optimum.habana.transformers.models import family_report, gaudi_model_class
 from tests.families.support import LENGTHS, attention_calls_by_module, attention_modules
 from tests.families.tiny_configs import tiny_family_config
 from tests.helpers import count_attention_paths, left_padded_batch
@@ -77,3 +77,30 @@ def test_a_family_that_does_not_qualify_refuses_the_names(model_type, name):
         ValueError, match=f"attn_implementation={name!r} runs the Gaudi attention, which the model type"
     ):
         model(**left_padded_batch(LENGTHS))
+
+
+# Qualifying families whose stock class has no SDPA (their sinks): transformers' check in the stock
+# decoder refused Optimum-Habana's fused name when the Gaudi class was built.
+NO_STOCK_SDPA = ("gpt_oss", "mimo_v2_flash")
+
+
+@pytest.mark.parametrize("model_type", NO_STOCK_SDPA)
+def test_the_fused_name_loads_a_gaudi_class_whose_stock_class_has_no_sdpa(model_type, monkeypatch, tmp_path):
+    gaudi_class = gaudi_model_class(model_type)
+    assert not gaudi_class._supports_sdpa
+    torch.manual_seed(0)
+    gaudi_class(tiny_family_config(model_type, initializer_range=0.1)).save_pretrained(tmp_path)
+    model = gaudi_class.from_pretrained(tmp_path, attn_implementation="gaudi_fused_sdpa").eval()
+    built = gaudi_class._from_config(model.config, attn_implementation="gaudi_fused_sdpa")
+    assert model.generation_config.use_flash_attention and built.generation_config.use_flash_attention
+    assert model.config._attn_implementation == "gaudi_fused_sdpa"
+    eager = getattr(transformers, family_report(model_type).class_name).from_pretrained(
+        tmp_path, attn_implementation="eager"
+    )
+    inputs = left_padded_batch(LENGTHS)
+    with torch.no_grad(), count_attention_paths(monkeypatch, profile=False) as counts:
+        logits = model(**inputs).logits
+    assert counts["fused"] > 0 and counts["default"] == 0
+    real = inputs["attention_mask"].bool()
+    with torch.no_grad():
+        assert (logits[real] - eager(**inputs).logits[real]).abs().max() <= 1e-4

@@ -104,7 +104,16 @@ class GaudiAttentionMixin(GaudiGenerationMixin):
 
     def __init__(self, config: PreTrainedConfig, *args: Any, **kwargs: Any) -> None:
         # A copy: the attention choice written below must not leak into a stock model built from the same object.
-        super().__init__(copy.deepcopy(config), *args, **kwargs)
+        config = copy.deepcopy(config)
+        # The stock decoder inside checks its config's name itself, and refuses any name containing "sdpa" where stock
+        # SDPA cannot take the family's attention (gpt-oss's sinks): the Gaudi attention can, so the decoders are built
+        # under the name "gaudi" and the fused name is put back, the flag following it as the outer check recorded.
+        fused_name_configs = _configs_naming(config, FUSED_SDPA_IMPLEMENTATION)
+        for named in fused_name_configs:
+            named._attn_implementation_internal = ATTENTION_IMPLEMENTATION
+        super().__init__(config, *args, **kwargs)
+        for named in fused_name_configs:
+            named._attn_implementation_internal = FUSED_SDPA_IMPLEMENTATION
         family_runs_mask_free(self.config.model_type)  # known before any forward asks, also inside a graph
         family_is_windowed(self.config.model_type)
         view = AttentionConfigView(self.config, self.generation_config)
@@ -390,6 +399,17 @@ def _stock_class(gaudi_class: type) -> type[PreTrainedModel]:
 def _is_own_class(cls: type) -> bool:
     """A Gaudi class this package defines, which stands for its stock class; a user's subclass lives elsewhere."""
     return cls.__module__.startswith("optimum.habana.")
+
+
+def _configs_naming(config: PreTrainedConfig, name: str) -> list[PreTrainedConfig]:
+    """The config and its sub-configs, at any depth, whose attention implementation is `name`."""
+    found, pending = [], [config]
+    while pending:
+        current = pending.pop()
+        if current._attn_implementation_internal == name:
+            found.append(current)
+        pending.extend(sub for key in current.sub_configs if (sub := getattr(current, key, None)) is not None)
+    return found
 
 
 def _share_stock_conversions(gaudi_class: type) -> None:
