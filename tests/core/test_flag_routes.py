@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from optimum.habana import GaudiGenerationConfig, GaudiLlamaForCausalLM
+from optimum.habana.kernels import variable_length
 from optimum.habana.transformers import attention
 from optimum.habana.transformers.attention_flags import resolve_attention_flags
 from tests.helpers import FUSED_KERNEL_CPU, count_attention_paths, tiny_llama_config
@@ -135,9 +136,6 @@ def test_companion_flags_reach_the_kernel_by_every_route(model, inputs, model_de
         seen.append({"attn_mask": attn_mask, **kwargs})
         return real(query, key, value, attn_mask, **kwargs)
 
-    from optimum.habana.kernels import variable_length
-    from optimum.habana.transformers import attention
-
     real = attention.fused_sdpa
     monkeypatch.setattr(attention, "fused_sdpa", spy)
     monkeypatch.setattr(variable_length, "fused_sdpa", spy)
@@ -199,6 +197,27 @@ def test_companion_without_flag_is_an_error(model, inputs, companion):
         model.generate(
             **inputs, generation_config=GaudiGenerationConfig(use_flash_attention=False), **{companion: True}
         )
+
+
+def test_a_models_companion_serves_the_calls_that_turn_the_flag_on(model, inputs, model_default, monkeypatch):
+    """A companion as the model's default, the flag per call (a higher-priority route): forward and generate alike."""
+    model_default.flash_attention_recompute = True
+    recompute = []
+    real = attention.fused_sdpa
+
+    def spy(query, key, value, attn_mask, **kwargs):
+        recompute.append(kwargs["recompute"])
+        return real(query, key, value, attn_mask, **kwargs)
+
+    monkeypatch.setattr(attention, "fused_sdpa", spy)
+    monkeypatch.setattr(variable_length, "fused_sdpa", spy)  # the padded prompt's calls
+    generate(model, inputs, use_flash_attention=True)
+    config = GaudiGenerationConfig(use_flash_attention=True, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS)
+    model.generate(**inputs, generation_config=config)
+    prefills = recompute[:LAYERS] + recompute[ATTENTION_CALLS : ATTENTION_CALLS + LAYERS]
+    assert len(recompute) == 2 * ATTENTION_CALLS and prefills == [True] * 2 * LAYERS
+    with pytest.raises(ValueError, match="`flash_attention_recompute` requires `use_flash_attention`"):
+        generate(model, inputs)  # the default alone is still no valid setting
 
 
 def test_turning_flash_off_per_call_drops_the_models_companions(model, inputs, model_default, monkeypatch):

@@ -24,8 +24,13 @@ def _check_flags_reach_forward(
     """The flags reach each step's forward in its keyword arguments, through the model's
     `prepare_inputs_for_generation`. One that hands on only the inputs it names (a subclass's own, say) drops them,
     and forward then runs on `model.generation_config`'s flags: where those differ from the call's, the call's
-    would silently do nothing, so it is an error before anything is generated."""
-    if flags == resolve_attention_flags(model_defaults).as_dict():
+    would silently do nothing, so it is an error before anything is generated. Defaults that are no valid setting
+    alone (a companion without the flag, which the call turns on) would fail forward: they differ too."""
+    try:
+        forward_flags = resolve_attention_flags(model_defaults).as_dict()
+    except ValueError:
+        forward_flags = None
+    if flags == forward_flags:
         return
     dropped = drops_generation_kwargs(model_class)
     if dropped is None:
