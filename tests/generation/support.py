@@ -97,8 +97,8 @@ def bad_model_inputs(tiny_checkpoint: Path, folder: Path) -> dict[str, tuple[lis
         (no_template / "chat_template.jinja").unlink()
     return {
         "gguf of another architecture": (
-            ["--model_name_or_path", str(write_gguf(folder / "gpt2.gguf", "gpt2"))],
-            "supported GGUF architectures: llama, mistral",
+            ["--model_name_or_path", str(write_gguf(folder / "rwkv.gguf", "rwkv"))],
+            "which transformers' GGUF loader does not convert",
         ),
         "family without a Gaudi class": (
             ["--model_name_or_path", str(save_unsupported_family_config(folder / "stablelm"))],

@@ -11,7 +11,15 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+)
+from transformers.modeling_gguf_pytorch_utils import TensorProcessor, get_gguf_hf_weights_map
 
 from optimum.habana.utils import model_loading
 from optimum.habana.utils.model_loading import (
@@ -22,6 +30,7 @@ from optimum.habana.utils.model_loading import (
     default_gguf_path,
     resolve_model,
 )
+from optimum.habana.utils.pretrained import load_model_and_tokenizer
 from tests.helpers import embedded_model, write_gguf
 
 
@@ -145,15 +154,90 @@ def test_interrupted_conversion_leaves_no_cache(tmp_path, cache_dir, monkeypatch
     assert set((cache_dir / "gguf").iterdir()) == before
 
 
-def test_gguf_of_another_architecture_is_rejected(tmp_path, monkeypatch):
-    gguf_path = write_gguf(tmp_path / "tiny-gpt2.gguf", arch="gpt2")
+@pytest.mark.parametrize(
+    "arch, words",
+    [
+        ("rwkv", "'rwkv', which transformers' GGUF loader does not convert (it converts"),
+        ("falcon", "'falcon' (model type 'falcon'), which the Gaudi attention cannot serve: FalconAttention computes"),
+    ],
+)
+def test_gguf_of_another_architecture_is_rejected(tmp_path, monkeypatch, arch, words):
+    gguf_path = write_gguf(tmp_path / f"tiny-{arch}.gguf", arch=arch)
     monkeypatch.setattr(model_loading, "_convert_gguf", must_not_convert)
 
-    with pytest.raises(ModelResolutionError, match="gpt2") as error:
+    with pytest.raises(ModelResolutionError) as error:
         resolve_model(str(gguf_path))
 
     assert str(gguf_path) in str(error.value)
-    assert "supported GGUF architectures: llama, mistral" in str(error.value)
+    assert words in str(error.value)
+
+
+GEMMA3_TOKENS = ["<pad>", "<eos>", "<bos>", "<unk>", "\u2581", *map(chr, range(ord("a"), ord("z") + 1))]
+
+
+def write_gemma3_gguf(path: Path, model: Gemma3ForCausalLM) -> Path:
+    """`model` as a float32 GGUF file of llama.cpp's "gemma3" architecture, with a tokenizer of single letters."""
+    config = model.config
+    writer = gguf.GGUFWriter(path, arch="gemma3")
+    writer.add_name(path.stem)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_key_length(config.head_dim)
+    writer.add_value_length(config.head_dim)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_sliding_window(config.sliding_window)
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(GEMMA3_TOKENS)
+    writer.add_token_scores([0.0] * len(GEMMA3_TOKENS))
+    writer.add_token_types([3, 3, 3, 2] + [1] * (len(GEMMA3_TOKENS) - 4))  # control tokens, unknown, normal
+    writer.add_pad_token_id(0)
+    writer.add_eos_token_id(1)
+    writer.add_bos_token_id(2)
+    writer.add_unk_token_id(3)
+    gguf_names = {hf: name for name, hf in get_gguf_hf_weights_map(model, TensorProcessor()).items()}
+    for hf_name, tensor in model.state_dict().items():
+        if hf_name == "lm_head.weight":  # tied to the embeddings
+            continue
+        values = tensor.numpy().astype(np.float32)
+        name = gguf_names[hf_name]
+        # llama.cpp stores Gemma's norms as 1 + weight; transformers' Gemma processor subtracts the 1.
+        writer.add_tensor(name, np.ascontiguousarray(values + 1 if "norm.weight" in name else values))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_a_gemma3_gguf_loads_as_its_gaudi_class_with_stocks_logits(tmp_path):
+    """transformers converts "gemma3" files to its `gemma3_text` model type: a family served here (it was refused)."""
+    torch.manual_seed(0)
+    config = Gemma3TextConfig(
+        vocab_size=len(GEMMA3_TOKENS), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=1024, sliding_window=8,
+    )  # fmt: skip
+    source = Gemma3ForCausalLM(config).eval()
+    with torch.no_grad():
+        for parameter in source.parameters():
+            parameter.normal_(0, 0.1)
+    gguf_path = write_gemma3_gguf(tmp_path / "tiny-gemma3.gguf", source)
+
+    loaded = load_model_and_tokenizer(str(gguf_path), dtype=torch.float32, device=torch.device("cpu"))
+    assert type(loaded.model).__name__ == "GaudiGemma3ForCausalLM"
+    stock = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=gguf_path.name, dtype=torch.float32).eval()
+    input_ids = loaded.tokenizer("the sliding window of a tiny model", return_tensors="pt").input_ids
+    assert input_ids.shape[1] > config.sliding_window
+    with torch.no_grad():
+        expected = source(input_ids).logits
+        assert (stock(input_ids).logits - expected).abs().max() <= 1e-4
+        for flag in (False, True):
+            assert (loaded.model(input_ids, use_flash_attention=flag).logits - expected).abs().max() <= 1e-4
 
 
 def test_invalid_gguf_file_is_rejected(tmp_path):

