@@ -8,13 +8,14 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from transformers import EvalPrediction, TrainerCallback, TrainingArguments
+from transformers import EvalPrediction, Qwen3MoeForCausalLM, TrainerCallback, TrainingArguments
 
 from optimum.habana.cli.finetuning import data as finetuning_data
 from optimum.habana.cli.finetuning import gaudi_arguments as gaudi_training_arguments
 from optimum.habana.cli.finetuning import prompts
 from optimum.habana.cli.finetuning.gaudi_arguments import GaudiTrainingArguments, apply_gaudi_training_arguments
 from optimum.habana.cli.finetuning.trainer import next_token_accuracy
+from tests.families.tiny_configs import tiny_family_config
 from tests.finetuning.support import run_script, script_args
 
 
@@ -192,6 +193,22 @@ def test_next_token_accuracy_scores_labelled_positions_only():
     labels = np.array([[-100, 5, 0, 8], [-100, 1, -100, -100]])
     # Scored: 5->5 (right), 6->0, 7->8 (wrong), and 1->1 (right) in the second row: 2 of 4.
     assert next_token_accuracy(EvalPrediction(predictions, labels)) == {"accuracy": 0.5}
+
+
+def test_an_moe_model_evaluates_with_its_router_loss_on(script, tokenizer, tmp_path):
+    """With its router loss on, an MoE model hands the Trainer a tuple of outputs (it crashed the accuracy's
+    argmax): the logits are found in it, and the accuracy is that of the same weights with the router loss off."""
+    torch.manual_seed(0)
+    Qwen3MoeForCausalLM(tiny_family_config("qwen3_moe", vocab_size=len(tokenizer))).save_pretrained(tmp_path / "moe")
+    tokenizer.save_pretrained(tmp_path / "moe")
+    evaluation = ["--do_eval", "--validation_split_percentage", "20", "--per_device_eval_batch_size", "4"]
+    accuracy = {}
+    for router_loss in (False, True):
+        config = json.loads((tmp_path / "moe" / "config.json").read_text())
+        (tmp_path / "moe" / "config.json").write_text(json.dumps({**config, "output_router_logits": router_loss}))
+        metrics = script.main(script_args(tmp_path / "moe", tmp_path / f"run-{router_loss}", *evaluation))
+        accuracy[router_loss] = metrics["eval_accuracy"]
+    assert accuracy[True] == accuracy[False] and 0 <= accuracy[True] <= 1
 
 
 def test_logs_and_results_carry_upstreams_metrics(script, checkpoint, tmp_path):

@@ -61,8 +61,13 @@ def memory_log_entries(device: torch.device) -> dict[str, float]:
     return entries
 
 
-def next_token_predictions(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Keep only the predicted token of every position: the logits of a whole evaluation set would not fit."""
+def next_token_predictions(logits: torch.Tensor | tuple, labels: torch.Tensor) -> torch.Tensor:
+    """Keep only the predicted token of every position: the logits of a whole evaluation set would not fit.
+
+    An MoE model with its router loss on hands the Trainer a tuple (its aux loss, logits and router logits): the
+    logits are the one tensor with a score per labelled position."""
+    if isinstance(logits, tuple):
+        logits = next(item for item in logits if isinstance(item, torch.Tensor) and item.shape[:-1] == labels.shape)
     return logits.argmax(dim=-1)
 
 
