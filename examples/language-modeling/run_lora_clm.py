@@ -129,7 +129,9 @@ def run(
         # Under torchrun one process at a time: another's write probe would make the folder look non-empty.
         with training_args.main_process_first(desc="checking the output folder"):
             output_dir = common.prepare_output_dir(
-                training_args.output_dir, overwrite=output_args.overwrite_output_dir, resuming=resume is not None
+                training_args.output_dir,
+                overwrite=output_args.overwrite_output_dir,
+                resuming=checkpoints.continues_the_run_in(resume, training_args.output_dir),
             )
             if output_args.overwrite_output_dir and training_args.should_save:
                 checkpoints.remove_earlier_checkpoints(output_dir)
@@ -358,7 +360,9 @@ def explain_run(parser: HfArgumentParser, args: Arguments) -> dict[str, Any]:
         resume = checkpoints.parse_resume_value(args.training.resume_from_checkpoint)
         checkpoints.check_overwrite_and_resume(args.output.overwrite_output_dir, resume, args.training.output_dir)
         common.check_output_dir(
-            args.training.output_dir, overwrite=args.output.overwrite_output_dir, resuming=resume is not None
+            args.training.output_dir,
+            overwrite=args.output.overwrite_output_dir,
+            resuming=checkpoints.continues_the_run_in(resume, args.training.output_dir),
         )
         resolved = resolve_model(args.model.model_name_or_path, **loading_options.hub_options(args.model))
         data.check_max_seq_length(args.data.max_seq_length, resolved)

@@ -132,6 +132,15 @@ CASES = {
         2,
         ["not empty", ADAPTER, "--overwrite_output_dir", "--resume_from_checkpoint"],
     ),
+    "resume a checkpoint saved elsewhere into a finished run's output_dir": Case(
+        lambda c: (
+            c.out.mkdir(),
+            (c.out / ADAPTER).write_text("earlier"),
+            c.args("--resume_from_checkpoint", c.copied_checkpoint()),
+        )[-1],
+        2,
+        ["not empty", ADAPTER, "refusing to overwrite an earlier run", "--overwrite_output_dir"],
+    ),
     "output_dir is a file": Case(lambda c: c.args("--output_dir", c.file("taken", "x")), 2, ["is a file"]),
     "output_dir not writable": Case(
         lambda c: c.args("--output_dir", c.file("taken", "x") + "/sub"), 2, ["cannot be written"]

@@ -106,12 +106,19 @@ def last_complete_checkpoint(output_dir: Path, remove_incomplete: bool = False) 
     return None
 
 
+def continues_the_run_in(resume: str | bool | None, output_dir: str) -> bool:
+    """Whether `--resume_from_checkpoint` continues the run saved in `output_dir` (True, or one of its checkpoints):
+    only then may a resumed run write over the files there. A checkpoint saved elsewhere continues another run."""
+    if resume is None:
+        return False
+    return resume is True or Path(output_dir).expanduser().resolve() in Path(resume).expanduser().resolve().parents
+
+
 def check_overwrite_and_resume(overwrite: bool, resume: str | bool | None, output_dir: str) -> None:
     """--overwrite_output_dir starts afresh, removing the earlier checkpoints: it cannot also resume from them."""
     if not overwrite or resume is None:
         return
-    inside = resume is True or Path(output_dir).expanduser().resolve() in Path(resume).expanduser().resolve().parents
-    if inside:
+    if continues_the_run_in(resume, output_dir):
         raise OutputDirError(
             f"--overwrite_output_dir and --resume_from_checkpoint {resume} contradict each other: the first starts a "
             f"new run and removes the checkpoints in {output_dir}, the second continues from one of them. Choose one."
