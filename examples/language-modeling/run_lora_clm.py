@@ -153,6 +153,8 @@ def run(
             "--context_parallel_size",
             packed_by="--padding_free" if data_args.padding_free else None,
         )
+        if data_args.padding_free:
+            data.check_padding_free_model(model_config)
         if data_args.train_file is None and data_args.dataset_name is None:
             data_args.train_file = str(DEFAULT_TRAIN_FILE)
         train_file = data_args.train_file
@@ -374,6 +376,8 @@ def explain_run(parser: HfArgumentParser, args: Arguments) -> dict[str, Any]:
             "--context_parallel_size",
             packed_by="--padding_free" if args.data.padding_free else None,
         )
+        if args.data.padding_free:
+            data.check_padding_free_model(config)
         text = explain_training(
             config,
             context_parallel_size=args.gaudi.context_parallel_size,

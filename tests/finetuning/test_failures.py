@@ -19,13 +19,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import HfArgumentParser, LlamaForCausalLM, TrainerCallback, TrainingArguments
+from transformers import AutoModelForCausalLM, HfArgumentParser, LlamaForCausalLM, TrainerCallback, TrainingArguments
 
 from optimum.habana.cli.finetuning import data as finetuning_data
 from optimum.habana.cli.finetuning.arguments import ARGUMENT_CLASSES, check_arguments, parse_arguments
 from optimum.habana.utils import devices
 from optimum.habana.utils.atomic import current_umask
 from optimum.habana.utils.model_loading import CACHE_ENV_VAR
+from tests.families.tiny_configs import tiny_family_config
 from tests.finetuning.support import SCRIPT, build_tokenizer, save_word_level_checkpoint, script_args
 from tests.helpers import ROOT, load_script, write_gguf
 
@@ -86,6 +87,15 @@ class Context:
     def args(self, *extra: str, model: Path | None = None) -> list[str]:
         return script_args(model or self.checkpoint, self.out, *TRAIN.split(), *extra)
 
+    def family_checkpoint(self, model_type: str) -> Path:
+        """A tiny stock checkpoint of `model_type`, with the word-level tokenizer beside it."""
+        tokenizer = build_tokenizer()
+        torch.manual_seed(0)
+        config = tiny_family_config(model_type, vocab_size=len(tokenizer))
+        AutoModelForCausalLM.from_config(config).save_pretrained(self.tmp / model_type)
+        tokenizer.save_pretrained(self.tmp / model_type)
+        return self.tmp / model_type
+
     def file(self, name: str, content: str | bytes) -> str:
         path = self.tmp / name
         path.write_bytes(content if isinstance(content, bytes) else content.encode())
@@ -140,6 +150,11 @@ CASES = {
         )[-1],
         2,
         ["not empty", ADAPTER, "refusing to overwrite an earlier run", "--overwrite_output_dir"],
+    ),
+    "--padding_free with a state-space family": Case(
+        lambda c: c.args("--padding_free", model=c.family_checkpoint("bamba")),
+        2,
+        ["--padding_free", "'bamba' has linear_attention layers, whose state runs along the", "Drop --padding_free"],
     ),
     "output_dir is a file": Case(lambda c: c.args("--output_dir", c.file("taken", "x")), 2, ["is a file"]),
     "output_dir not writable": Case(

@@ -13,9 +13,11 @@ from transformers import (
     AutoConfig,
     DataCollatorForSeq2Seq,
     DataCollatorWithFlattening,
+    PreTrainedConfig,
     PreTrainedTokenizerBase,
 )
 
+from optimum.habana.transformers.context_parallel import sequential_layers
 from optimum.habana.utils.model_loading import ResolvedModel
 
 from .errors import FineTuningError
@@ -425,6 +427,18 @@ def pack_sequences(dataset: Dataset, max_seq_length: int) -> Dataset:
 
     packed = dataset.map(pack, batched=True, remove_columns=dataset.column_names, desc="Packing")
     return packed.filter(has_loss_tokens, desc="Dropping blocks with nothing to learn")
+
+
+def check_padding_free_model(config: PreTrainedConfig) -> None:
+    """--padding_free packs a batch's examples into one row, which the attention keeps apart by their position ids; a
+    layer whose state runs along the sequence sees no such boundary and would carry it from one example into the
+    next (stock transformers does the same, silently)."""
+    if layers := sequential_layers(config):
+        raise FineTuningError(
+            f"--padding_free: the model type {config.model_type!r} has {', '.join(layers)} layers, whose state runs "
+            "along the sequence: in a packed row it would carry from one example into the next. Drop --padding_free "
+            "(each batch is then padded), or use --dataset_concatenation, whose blocks are trained as one text."
+        )
 
 
 def data_collator(tokenizer: PreTrainedTokenizerBase, *, padding_free: bool, pad_to: int | None = None) -> Any:

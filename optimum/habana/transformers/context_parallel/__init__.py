@@ -66,13 +66,18 @@ def check_no_foreign_split() -> None:
         )
 
 
+def sequential_layers(config: PreTrainedConfig) -> list[str]:
+    """The kinds of layer of `config` whose state runs along the sequence (state-space, linear attention,
+    convolutions): they see no example boundary in a packed row and no process boundary in a split one."""
+    return sorted(set(getattr(config, "layer_types", None) or ()) & SEQUENTIAL_LAYERS)
+
+
 def context_parallel_refusal(config: PreTrainedConfig) -> str | None:
     """Why the family of `config` cannot be split over processes exactly, or None when it can (a family without a
     Gaudi class is refused where its model is built)."""
     model_type = config.model_type
     layer_types = set(getattr(config, "layer_types", None) or ())
-    sequential = sorted(layer_types & SEQUENTIAL_LAYERS)
-    if sequential:
+    if sequential := sequential_layers(config):
         return (
             f"the model type {model_type!r} has {', '.join(sequential)} layers, whose state runs along the "
             "sequence: split over processes, it would restart at every process's first position"
