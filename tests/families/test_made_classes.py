@@ -1,6 +1,7 @@
 """The classes made from transformers' own are drop-ins as the written ones are: they pickle (a fresh process finds
 them by name), save and load, and `adapt_transformers_to_gaudi()` hands them out through the Auto classes."""
 
+import inspect
 import json
 import pickle
 import subprocess
@@ -82,3 +83,48 @@ def test_checkpoints_cross_between_the_stock_class_and_ours(model_type, tmp_path
         assert not info["missing_keys"] and not info["unexpected_keys"], info
         with torch.no_grad():  # the same weights as the model of that class in memory: the same logits
             torch.testing.assert_close(loaded.eval()(**inputs).logits, reference(**inputs).logits, msg=folder)
+
+
+def test_every_gaudi_forward_has_its_stock_class_signature():
+    """Positional arguments bind as for the stock class (GPT-2 takes `past_key_values` second, the MoE families
+    `output_router_logits` eighth), and transformers reads the stock inputs off it (generate's `token_type_ids`)."""
+    for model_type in qualifying_families():
+        gaudi_class = gaudi_model_class(model_type)
+        stock_class = next(cls for cls in gaudi_class.__mro__ if cls.__module__.startswith("transformers."))
+        assert inspect.signature(gaudi_class.forward) == inspect.signature(stock_class.forward), model_type
+
+
+@pytest.mark.parametrize("model_type", ["gpt2", "recurrent_gemma", "mixtral"])
+def test_positional_arguments_bind_as_for_the_stock_class(model_type):
+    ours, stock = family_pair(model_type)
+    inputs = left_padded_batch(LENGTHS)
+    ids, mask = inputs["input_ids"], inputs["attention_mask"]
+    names = list(inspect.signature(stock.forward).parameters)
+    position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
+    by_name = {"input_ids": ids, "attention_mask": mask, "position_ids": position_ids, "use_cache": True}
+    args = [by_name.get(name) for name in names[: max(names.index(name) for name in by_name) + 1]]
+    if model_type == "mixtral":  # the eighth: output_router_logits, where the generic order had logits_to_keep
+        args += [None] * (names.index("output_router_logits") - len(args)) + [True]
+    real = mask.bool()
+    with torch.no_grad():
+        expected = stock(*args)
+        for flag in (False, True):
+            output = ours(*args, use_flash_attention=flag)
+            assert (output.logits[real] - expected.logits[real]).abs().max() <= 1e-4, (model_type, flag)
+            if model_type == "mixtral":
+                assert len(output.router_logits) == len(expected.router_logits) > 0
+    with pytest.raises(TypeError, match="forward\\(\\) got multiple values for argument 'input_ids'"):
+        ours(ids, input_ids=ids)
+
+
+def test_generate_takes_the_stock_forwards_token_type_ids():
+    ours, stock = family_pair("gpt2")
+    inputs = left_padded_batch(LENGTHS)
+    token_type_ids = torch.ones_like(inputs["input_ids"])
+    settings = {"max_new_tokens": 4, "do_sample": False, "output_logits": True, "return_dict_in_generate": True}
+    expected = stock.generate(**inputs, token_type_ids=token_type_ids, **settings)
+    for flag in (False, True):
+        output = ours.generate(**inputs, token_type_ids=token_type_ids, use_flash_attention=flag, **settings)
+        assert torch.equal(output.sequences, expected.sequences)
+        for step, logits in enumerate(output.logits):
+            assert (logits - expected.logits[step]).abs().max() <= 1e-4, (flag, step)

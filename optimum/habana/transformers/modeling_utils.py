@@ -95,11 +95,31 @@ class GaudiAttentionMixin(GaudiGenerationMixin):
         if "forward" in cls.__dict__:
             return
 
+        # The stock forward's signature, positional order included (GPT-2 takes `past_key_values` second, the MoE
+        # families `output_router_logits` eighth): what a caller binds by position, and what transformers reads to
+        # decide which inputs generate() and the Trainer hand on (`token_type_ids`).
+        stock_signature = inspect.signature(stock_forward)
+        positional = [
+            name
+            for name, parameter in list(stock_signature.parameters.items())[1:]
+            if parameter.kind in (parameter.POSITIONAL_ONLY, parameter.POSITIONAL_OR_KEYWORD)
+        ]
+
         @functools.wraps(GaudiAttentionMixin.forward)
         def forward(self, *args: Any, **kwargs: Any) -> Any:
-            return GaudiAttentionMixin.forward(self, *args, **kwargs)
+            if len(args) > len(positional):
+                raise TypeError(
+                    f"{type(self).__name__}.forward() takes {len(positional)} positional arguments after self, as "
+                    f"{_stock_class(type(self)).__name__}.forward() does, but {len(args)} were given"
+                )
+            for name, value in zip(positional, args, strict=False):  # fewer arguments than parameters
+                if name in kwargs:
+                    raise TypeError(f"{type(self).__name__}.forward() got multiple values for argument {name!r}")
+                kwargs[name] = value
+            return GaudiAttentionMixin.forward(self, **kwargs)
 
         forward.__annotations__ = {**GaudiAttentionMixin.forward.__annotations__, "return": stock_return}
+        forward.__signature__ = stock_signature
         cls.forward = forward
 
     def __init__(self, config: PreTrainedConfig, *args: Any, **kwargs: Any) -> None:
