@@ -6,6 +6,7 @@ under the `families` marker (`make test-families`)."""
 import pytest
 import torch
 
+from optimum.habana import gaudi_model_class, supported_model_types
 from tests.families.support import save_family_checkpoint
 from tests.finetuning.support import TOLERANCE, build_tokenizer, run_script, script_args
 from tests.generation.support import outputs, run_in_process
@@ -138,3 +139,16 @@ def test_explain_names_each_layers_variant_and_the_kernel_path_of_each_call(mode
     for q_len in absorbed:
         assert "over the compressed cache (kv_b_proj absorbed" in (decode if q_len == 1 else prefill)
     assert bool(absorbed) == (model_type == "deepseek_v3")
+
+
+@pytest.mark.parametrize("model_type", in_make_test(supported_model_types(), kept={"gpt2"}))
+def test_explain_reads_the_layers_of_every_served_family(model_type):
+    """--explain's account of the layers, on the meta device: GPT-2, OPT and GPT-NeoX name no key/value heads (a
+    traceback, where a real run worked)."""
+    from optimum.habana.cli.generation.explain import attention_layer_groups, meta_model
+    from tests.families.tiny_configs import tiny_family_config
+
+    model_class = gaudi_model_class(model_type)
+    groups = attention_layer_groups(meta_model(model_class, tiny_family_config(model_type, model_class.config_class)))
+    heads, kv_heads = groups[0].geometry[:2]
+    assert heads % kv_heads == 0
