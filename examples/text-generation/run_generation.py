@@ -53,6 +53,7 @@ from optimum.habana.cli.generation.report import (
     write_results,
 )
 from optimum.habana.cli.generation.timing import benchmark, summarize_runs
+from optimum.habana.transformers.continuous_batching import check_engine_serves
 from optimum.habana.utils.devices import memory_stats, model_size_bytes, reset_peak_memory, total_memory
 from optimum.habana.utils.distributed import launch_environment
 from optimum.habana.utils.graph_capture import CompileCounter
@@ -122,6 +123,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         max_positions = getattr(model.config, "max_position_embeddings", None)
         if workload.max_input_tokens > 0:  # before tokenizing: padding to a huge length would take minutes
             check_sequence_length(workload.max_input_tokens, workload.max_new_tokens, max_positions, fixed=True)
+        if execution.continuous_batching:
+            check_engine_serves(model, remedy=continuous_batching.ENGINE_REFUSAL_REMEDY)
         if arguments.model.peft_model:
             start = time.perf_counter()
             model = apply_peft_adapter(model, arguments.model.peft_model)

@@ -15,7 +15,7 @@ from transformers import StableLmConfig
 from optimum.habana import GaudiLlamaForCausalLM
 from optimum.habana.cli.generation.arguments import ScriptArguments, build_parser, parse_arguments
 from optimum.habana.utils.model_loading import CACHE_ENV_VAR
-from tests.helpers import ROOT, tiny_config, write_gguf
+from tests.helpers import ROOT, tiny_config, train_tiny_tokenizer, write_gguf
 
 
 SCRIPT = ROOT / "examples" / "text-generation" / "run_generation.py"
@@ -123,12 +123,27 @@ def bad_model_inputs(tiny_checkpoint: Path, folder: Path) -> dict[str, tuple[lis
             "nul.txt' is not text: it holds NUL bytes (the first at character 1). Pass a text file.",
         ),
         "chat without a template": (["--model_name_or_path", str(no_template), "--chat"], "no chat template"),
+        "continuous batching of a family the engine refuses": (
+            ["--model_name_or_path", str(latent_checkpoint(folder)), "--continuous_batching"],
+            "cannot run in transformers' continuous batching: its latent attention keeps keys and values of other "
+            "sizes than config.head_dim, which the paged cache holds. Drop --continuous_batching: generate() serves it.",
+        ),
         "missing adapter": (
             ["--model_name_or_path", str(tiny_checkpoint), "--peft_model", str(folder / "nothing")],
             "is not a folder",
         ),
         **bad_adapters(tiny_checkpoint, folder),
     }
+
+
+def latent_checkpoint(folder: Path) -> Path:
+    """A tiny DeepSeek-V3 (latent attention: no paged cache holds its keys and values), with a tokenizer."""
+    from tests.families.support import save_family_checkpoint
+
+    path = folder / "deepseek_v3"
+    if not path.exists():
+        save_family_checkpoint(path, "deepseek_v3", train_tiny_tokenizer(chat_template=True))
+    return path
 
 
 def nul_file(folder: Path) -> Path:

@@ -115,6 +115,15 @@ def test_a_model_that_fails_to_load_is_one_line(tmp_path, capsys):
     assert "Traceback" not in "\n".join(lines)
 
 
+def test_continuous_batching_of_a_family_the_engine_refuses_is_one_line_before_it_says_served(tmp_path, capsys):
+    from tests.generation.support import latent_checkpoint
+
+    lines = run([str(latent_checkpoint(tmp_path)), "--continuous-batching", "--port", str(free_port())], capsys)
+    assert "cannot run in transformers' continuous batching: its latent attention" in lines[-1]
+    assert lines[-1].endswith("Serve it without --continuous-batching.")
+    assert not any(line.startswith("Serving ") for line in lines) and "Traceback" not in "\n".join(lines)
+
+
 def test_an_empty_api_key_variable_is_refused(monkeypatch, capsys, no_loading):
     """click reads an empty variable as unset: the server would have started open without a word."""
     monkeypatch.setenv("OPTIMUM_HABANA_API_KEY", "")

@@ -23,6 +23,10 @@ from transformers import ContinuousBatchingConfig, PreTrainedTokenizerBase
 from optimum.habana.utils.devices import synchronize
 
 
+# What a refused family's run does instead (`check_engine_serves`), in the words of run_generation.py's options.
+ENGINE_REFUSAL_REMEDY = "Drop --continuous_batching: generate() serves it."
+
+
 # The cache geometry: pages of this many tokens, enough of them for every request at once.
 PAGE_SIZE = 32
 

@@ -26,6 +26,7 @@ from optimum.habana.kernels.latent import absorbs
 from optimum.habana.transformers.attention_flags import AttentionFlags
 from optimum.habana.transformers.batch_layout import local_layers_run_planned, padding_mask_is_all_it_needs
 from optimum.habana.transformers.cache import bucketed_length
+from optimum.habana.transformers.continuous_batching import check_engine_serves
 from optimum.habana.transformers.families.lookups import attention_modules_of
 from optimum.habana.transformers.latent_attention import receives_compressed_latent
 from optimum.habana.transformers.models import family_problem, gaudi_model_class
@@ -39,7 +40,7 @@ from optimum.habana.utils.model_loading import (
 )
 
 from .arguments import ExecutionArguments, ScriptArguments, WorkloadArguments, flag_notes, resolve_execution
-from .continuous_batching import batch_size_note, request_prompts
+from .continuous_batching import ENGINE_REFUSAL_REMEDY, batch_size_note, request_prompts
 from .explain_engine import SINKS_VARIANT, engine_call_accounts
 from .explain_graphs import graph_accounts
 from .generation_config import kv_cache_layout
@@ -87,6 +88,8 @@ def explain(arguments: ScriptArguments) -> str:
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     engine = arguments.execution.continuous_batching
+    if engine:
+        check_engine_serves(model, remedy=ENGINE_REFUSAL_REMEDY)
     # The engine serves every prompt of the pool as its own request (cycled up to --batch_size); generate() a batch.
     pool = prompt_pool(workload)
     prompts = request_prompts(pool, workload.batch_size) if engine else prompts_for_batch(pool, workload.batch_size)

@@ -32,6 +32,7 @@ from transformers.utils.import_utils import is_serve_available
 
 from optimum.habana.transformers import ATTENTION_FLAG_NAMES, gaudi_model_class
 from optimum.habana.transformers.attention_flags import check_flag_combination
+from optimum.habana.transformers.continuous_batching import check_engine_serves
 from optimum.habana.transformers.modeling_utils import ATTENTION_IMPLEMENTATIONS
 from optimum.habana.utils.model_loading import DEFAULT_MODEL_NAME, resolve_model
 from optimum.habana.utils.pretrained import load_tokenizer
@@ -194,6 +195,8 @@ class GaudiModelManager(ModelManager):
             self.continuous_batching and hasattr(model, "init_continuous_batching"),
             self.longest_token,
         )
+        if self.served.continuous_batching:  # before the line that says it is served
+            check_engine_serves(model, remedy="Serve it without --continuous-batching.")
         logger.warning("Serving %s: %s.", model_id, describe_attention(model))
         return model
 

@@ -302,8 +302,9 @@ def blocks_needed(tokens: int, page_size: int, config: Any) -> int:
     return math.ceil(pages / layers)
 
 
-def check_engine_serves(model: Any) -> None:
-    """Refuse, in one line and before any request, a family transformers' engine cannot serve. Its paged cache holds
+def check_engine_serves(model: Any, remedy: str = "Use generate() for this model.") -> None:
+    """Refuse, in one line and before any request, a family transformers' engine cannot serve (`remedy`: what the
+    caller's user does instead, in the caller's words: a script's option). Its paged cache holds
     full and sliding-window attention layers of one geometry, `config.head_dim` per head: latent attention (keys and
     values of other sizes: stock fails every request), several attention calls per layer (each would write the
     cache: stock gives wrong tokens), other layer kinds (linear attention, chunked or indexed attention) and per-layer
@@ -338,9 +339,7 @@ def check_engine_serves(model: Any) -> None:
         )
     else:
         return
-    raise ValueError(
-        f"{name} cannot run in transformers' continuous batching: {problem}. Use generate() for this model."
-    )
+    raise ValueError(f"{name} cannot run in transformers' continuous batching: {problem}. {remedy}")
 
 
 def init_manager(
