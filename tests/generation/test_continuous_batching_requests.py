@@ -14,7 +14,9 @@ from transformers import GenerationConfig
 from transformers.generation.configuration_utils import ContinuousBatchingConfig
 from transformers.generation.continuous_batching.requests import RequestStatus
 
-from optimum.habana.transformers.continuous_batching import INTERRUPTED, blocks_needed
+from optimum.habana.transformers.continuous_batching import INTERRUPTED
+from optimum.habana.transformers.continuous_batching.capacity import cache_geometry, cached_tokens
+from tests.families.support import family_pair
 from tests.helpers import build_pair, tiny_config
 
 
@@ -143,10 +145,34 @@ def test_a_cache_too_small_for_a_request_says_so_with_the_numbers_and_how_to_siz
 
 
 def test_sliding_window_layers_need_only_their_window():
-    full = tiny_config("llama")
-    assert blocks_needed(200, 16, full) == 13
-    windowed = tiny_config("mistral", sliding_window=32)  # every layer keeps 32 tokens
-    assert blocks_needed(200, 16, windowed) == 2
+    full = cache_geometry(tiny_config("llama"), page_size=16)
+    assert full.blocks_for(full.sectors_for(cached_tokens(197, 6))) == 13  # 202 tokens
+    windowed = cache_geometry(tiny_config("mistral", sliding_window=32), page_size=16)  # every layer keeps 32 tokens
+    assert windowed.blocks_for(windowed.sectors_for(cached_tokens(197, 6))) == 2
+    for geometry in (full, windowed):
+        for sectors in range(1, 9):  # the fewest blocks that give the sectors, and no fewer
+            least = geometry.blocks_for(sectors)
+            assert geometry.sectors_of(least) >= sectors and (least == 1 or geometry.sectors_of(least - 1) < sectors)
+
+
+@pytest.mark.parametrize("max_new_tokens", [11, 12])
+def test_a_request_the_engine_serves_alone_is_admitted(max_new_tokens):
+    """A full-attention group uses room the sliding layer leaves free, and the last new token takes no slot: what
+    stock's engine serves is admitted (the blocks averaged over the layers refused it), what it cannot is refused."""
+    layer_types = ["sliding_attention", "full_attention", "full_attention", "full_attention"]
+    ours, stock = family_pair("gemma3_text", layer_types=layer_types, sliding_window=8, num_hidden_layers=4)
+    prompt = prompts((10,))
+    settings = {"generation_config": config(max_new_tokens=max_new_tokens)}
+    settings["continuous_batching_config"] = engine(num_blocks=4, page_size=4, max_batch_tokens=16)
+    (expected,) = stock.generate_batch(inputs=prompt, **settings).values()
+    (output,) = ours.generate_batch(inputs=prompt, **settings, use_flash_attention=True).values()
+    assert (
+        output.status == expected.status == (RequestStatus.FINISHED if max_new_tokens == 11 else RequestStatus.FAILED)
+    )
+    if output.status == RequestStatus.FINISHED:
+        assert output.generated_tokens == expected.generated_tokens
+    else:
+        assert output.error.startswith("the paged cache is too small for this request")
 
 
 def long_config() -> GenerationConfig:

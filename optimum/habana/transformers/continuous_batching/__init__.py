@@ -25,14 +25,11 @@ or its `timeout` runs out (transformers' flush would otherwise run them all to t
 import contextlib
 import copy
 import logging
-import math
 import sys
 from typing import Any
 
 from transformers import GenerationConfig
 from transformers.generation.configuration_utils import ContinuousBatchingConfig
-from transformers.generation.continuous_batching.cache import group_layers_by_attn_type
-from transformers.generation.continuous_batching.cache_allocators import FULL_ATTENTION
 from transformers.generation.continuous_batching.continuous_api import (
     BackgroundThreadStatus,
     ContinuousBatchingManager,
@@ -44,6 +41,7 @@ from ..batch_layout import padding_mask_is_all_it_needs
 from ..families.cache_facts import computes_with_cached_states, writes_cache_at_own_index
 from ..families.lookups import attention_modules_of
 from ..families.qualification import LATENT, family_report
+from .capacity import cache_geometry, cached_tokens
 from .failed_steps import StepIsolation
 
 
@@ -188,11 +186,13 @@ class GaudiContinuousBatchingManager(ContinuousBatchingManager):
                     paused.enter_context(self.pause())
             return super().add_requests(inputs, **kwargs)
 
-    def cache_capacity(self) -> tuple[int, int] | None:
-        """(blocks, tokens per block) of the paged cache: the built cache's, else the config's request, else None."""
+    def cache_capacity(self) -> tuple[int, int, int | None] | None:
+        """(whole-model blocks, tokens per block, sectors) of the paged cache: the built cache's, else the config's
+        request (its sectors then None: counted from the blocks as transformers will), else None."""
         cache = getattr(getattr(self, "batch_processor", None), "cache", None)
         blocks = getattr(cache, "num_blocks", None) or self.continuous_batching_config.num_blocks
-        return None if blocks is None else (blocks, self.continuous_batching_config.page_size)
+        sectors = getattr(cache, "num_sectors", None)
+        return None if blocks is None else (blocks, self.continuous_batching_config.page_size, sectors)
 
     def stop(self, block: bool = True, timeout: float | None = None, **kwargs: Any) -> None:
         """transformers' `stop`, which interrupts the running requests when Ctrl-C is on its way (a hard stop) or
@@ -244,9 +244,10 @@ class GaudiContinuousBatchingManager(ContinuousBatchingManager):
 
 
 def request_problem(
-    input_ids: list[int], max_new_tokens: int | None, model: Any, cache: tuple[int, int] | None = None
+    input_ids: list[int], max_new_tokens: int | None, model: Any, cache: tuple[int, int, int | None] | None = None
 ) -> str | None:
-    """What makes a request unservable, in words for its result, or None. `cache`: (blocks, tokens per block)."""
+    """What makes a request unservable, in words for its result, or None. `cache`: (whole-model blocks, tokens per
+    block, sectors or None), as `cache_capacity` gives it."""
     if not input_ids:
         return "empty prompt: there is nothing to continue; send at least one token."
     if max_new_tokens is not None and max_new_tokens < 1:
@@ -270,14 +271,16 @@ def request_problem(
             f"{context - len(input_ids)} or shorten the prompt."
         )
     if cache is not None and max_new_tokens is not None:
-        blocks, page_size = cache
-        needed = blocks_needed(len(input_ids) + max_new_tokens, page_size, config)
-        if needed > blocks:
+        blocks, page_size, sectors = cache
+        geometry = cache_geometry(model, page_size)
+        needed = geometry.sectors_for(cached_tokens(len(input_ids), max_new_tokens))
+        if needed > (sectors or geometry.sectors_of(blocks)):
+            least = geometry.blocks_for(needed)
             return (
                 f"the paged cache is too small for this request: its {len(input_ids)} prompt tokens and "
-                f"max_new_tokens {max_new_tokens} need {needed} blocks of {page_size} tokens, the cache holds "
+                f"max_new_tokens {max_new_tokens} need {least} blocks of {page_size} tokens, the cache holds "
                 f"{blocks}. Size it with ContinuousBatchingConfig(num_blocks=...) (serve: --cb-num-blocks) of at "
-                f"least {needed}, or lower max_new_tokens."
+                f"least {least}, or lower max_new_tokens."
             )
     return None
 
@@ -287,19 +290,6 @@ def room_in_context(input_ids: list[int], model: Any) -> int | None:
     without max_new_tokens stops, as the server's do. None where the config names no context."""
     context = getattr(getattr(model, "config", model), "max_position_embeddings", None)
     return None if context is None else context - len(input_ids)
-
-
-def blocks_needed(tokens: int, page_size: int, config: Any) -> int:
-    """Whole-model blocks of `page_size` tokens that one request of `tokens` tokens fills at least: sliding-window
-    layers keep only their window, so they count for less."""
-    groups = group_layers_by_attn_type(config.get_text_config() if hasattr(config, "get_text_config") else config)
-    window = getattr(config, "sliding_window", None) or tokens
-    layers = sum(len(indices) for indices in groups.values())
-    pages = sum(
-        len(indices) * math.ceil((tokens if kind == FULL_ATTENTION else min(tokens, window)) / page_size)
-        for kind, indices in groups.items()
-    )
-    return math.ceil(pages / layers)
 
 
 def check_engine_serves(model: Any, remedy: str = "Use generate() for this model.") -> None:
@@ -403,7 +393,6 @@ __all__ = [
     "RequestInterrupted",
     "RequestRefused",
     "StepFailed",
-    "blocks_needed",
     "check_engine_serves",
     "engine_attention",
     "engine_config",
