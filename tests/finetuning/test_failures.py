@@ -352,6 +352,11 @@ CASES = {
         2,
         ["--train_file", "instructions.jsonl there", "d.jsonl here"],
     ),
+    "resume with fewer training examples": Case(
+        lambda c: c.args("--resume_from_checkpoint", c.copied_checkpoint(), "--max_train_samples", "3"),
+        2,
+        ["other arguments", "--max_train_samples (not set) there, 3 here"],
+    ),
     "resume with another LoRA rank": Case(
         lambda c: c.args("--resume_from_checkpoint", c.copied_checkpoint(), "--lora_rank", "4"),
         2,

@@ -22,9 +22,16 @@ logger = logging.getLogger(__name__)
 # The command-line arguments that define a run: resuming with another value would continue a different run.
 RUN_DEFINING_ARGUMENTS = (
     "model_name_or_path",
+    "model_revision",
     "train_file",
     "dataset_name",
     "dataset_config_name",
+    "validation_split_percentage",  # takes the validation examples out of the training file
+    "max_train_samples",
+    "instruction_column_name",
+    "input_column_name",
+    "output_column_name",
+    "keep_linebreaks",
     "max_seq_length",
     "dataset_concatenation",
     "train_on_inputs",
