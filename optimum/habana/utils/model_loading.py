@@ -355,7 +355,7 @@ def check_gguf_file(gguf_path: Path) -> None:
     convert or whose family the Gaudi attention cannot serve."""
     from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
 
-    from ..transformers.models import family_problem
+    from ..transformers.families.qualification import family_report
 
     architecture = gguf_architecture(gguf_path)
     model_type = GGUF_MODEL_TYPES.get(architecture, architecture)
@@ -365,10 +365,10 @@ def check_gguf_file(gguf_path: Path) -> None:
             f"The GGUF file {str(gguf_path)!r} has the architecture {architecture!r}, which transformers' GGUF loader "
             f"does not convert (it converts {', '.join(sorted(converted))}). {_HINT}"
         )
-    if problem := family_problem(model_type):
+    if not (report := family_report(model_type)).qualifies:
         raise ModelResolutionError(
             f"The GGUF file {str(gguf_path)!r} has the architecture {architecture!r} (model type {model_type!r}), "
-            f"which the Gaudi attention cannot serve: {problem}. {_HINT}"
+            f"which the Gaudi attention cannot serve: {report.reason}. {_HINT}"
         )
 
 

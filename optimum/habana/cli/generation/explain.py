@@ -235,10 +235,8 @@ def layer_geometry(module: torch.nn.Module, config) -> tuple[int, int, int, int,
     layer_config = getattr(module, "config", None) or config
     heads = getattr(module, "num_heads", None) or layer_config.num_attention_heads
     groups = getattr(module, "num_key_value_groups", None)
-    if isinstance(groups, int) and groups:
-        kv_heads = heads // groups
-    else:  # GPT-2, OPT, GPT-NeoX and the like name no key/value heads: one per query head
-        kv_heads = getattr(layer_config, "num_key_value_heads", None) or heads
+    kv_heads = heads // groups if isinstance(groups, int) and groups else None
+    kv_heads = kv_heads or getattr(layer_config, "num_key_value_heads", None) or heads  # GPT-2 names none: one a head
     head_dim = getattr(module, "qk_head_dim", None) or getattr(module, "head_dim", None)
     head_dim = head_dim or layer_config.hidden_size // layer_config.num_attention_heads
     value_dim = getattr(module, "v_head_dim", None) or head_dim
