@@ -11,6 +11,7 @@ import logging
 import os
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
@@ -23,7 +24,7 @@ import transformers
 
 from optimum.habana.utils import cache_manifest, model_loading
 from optimum.habana.utils.model_loading import CACHE_ENV_VAR, ModelResolutionError, resolve_model
-from optimum.habana.utils.staging import make_staging_folder, staging_path
+from optimum.habana.utils.staging import make_staging_folder, remove_entry, staging_path
 from tests.helpers import ROOT, write_gguf
 
 
@@ -35,6 +36,7 @@ WEIGHTS = "model.safetensors"
 def cache(tmp_path, monkeypatch) -> Path:
     root = tmp_path / "cache"
     monkeypatch.setenv(CACHE_ENV_VAR, str(root))
+    monkeypatch.setattr(model_loading, "_PRIVATE_CONVERSIONS", {})  # another test's private conversions
     return root
 
 
@@ -128,6 +130,12 @@ def damage_legacy_manifest(entry: Path) -> None:
     (entry / cache_manifest.MANIFEST_NAME).write_text("0123abcd  tiny.gguf\n")
 
 
+def damage_add_adapter(entry: Path) -> None:
+    """An adapter saved into the entry: from_pretrained would apply it to every later load of the model."""
+    (entry / "adapter_config.json").write_text("{}")
+    (entry / "adapter_model.safetensors").write_bytes(b"lora")
+
+
 def damaged_records(*records):
     """Valid JSON, records unlike write()'s: an empty one, a list, one without a hash, a path out of the folder."""
 
@@ -147,6 +155,7 @@ def damaged_records(*records):
         (damage_zero, [WEIGHTS, "sha256 mismatch"]),
         (damage_delete_weights, [WEIGHTS, "missing"]),
         (damage_delete_manifest, ["no .complete manifest"]),
+        (damage_add_adapter, ["it holds adapter_config.json and 1 more, which the conversion did not write"]),
         (damage_junk_manifest, ["older version or damaged"]),
         (damage_legacy_manifest, ["older version or damaged"]),
         (damaged_records(("config.json", {})), ["damaged", "its record of 'config.json'"]),
@@ -159,6 +168,7 @@ def damaged_records(*records):
         "zeroed",
         "deleted weights",
         "deleted manifest",
+        "added adapter",
         "junk manifest",
         "legacy manifest",
         "empty record",
@@ -314,6 +324,9 @@ def test_damaged_entry_in_a_read_only_cache_is_converted_privately(cache, conver
     warned = [record.getMessage() for record in caplog.records if record.levelno >= logging.WARNING]
     assert [message.count("\n") for message in warned] == [0, 0]
     assert "damaged" in warned[0] and "cannot be written" in warned[1]
+    # Resolved again in this process (the server's model and processor, a rank's checks): converted once.
+    again = resolve_model(str(gguf_file))
+    assert again.path == resolved.path and again.converted is False and len(conversions) == 2
 
 
 def test_permissions_follow_the_umask(cache, conversions, gguf_file):
@@ -410,3 +423,23 @@ def test_a_good_entry_put_in_place_during_anothers_check_is_never_discarded(
     other.join(timeout=30)
     assert returned and entry.stat().st_ino == returned["inode"] and verify(entry) is None
     assert not staging_left(cache)
+
+
+def test_a_discarded_folder_made_read_only_inside_is_removed(tmp_path, monkeypatch):
+    """A damaged entry whose own folder is read-only (its parent writable) was left behind for good."""
+    folder = tmp_path / "discarded"
+    (folder / "inner").mkdir(parents=True)
+    (folder / "inner" / "weights").write_bytes(b"x")
+    (folder / "config.json").write_text("{}")
+    for path in (folder / "inner", folder):
+        path.chmod(0o555)
+    unlink = os.unlink
+
+    def as_the_kernel_rules(path, *args, **kwargs):  # root may unlink anywhere: refuse as for any other user
+        if not os.stat(os.path.dirname(path)).st_mode & stat.S_IWUSR:
+            raise PermissionError(13, "Permission denied", path)
+        return unlink(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "unlink", as_the_kernel_rules)
+    remove_entry(folder)
+    assert not folder.exists()

@@ -57,6 +57,11 @@ def verify(folder: Path) -> str | None:
         return f"its manifest {MANIFEST_NAME} is from an older version or damaged (no file sizes and hashes)"
     if "config.json" not in files:
         return "its manifest lists no config.json"
+    # A file the conversion did not write changes what loads (an adapter saved there, a tokenizer file).
+    written = {path.relative_to(folder).as_posix() for path in _checkpoint_files(folder) if not _is_temporary(path)}
+    if added := sorted(written - set(files)):
+        more = f" and {len(added) - 1} more" if len(added) > 1 else ""
+        return f"it holds {added[0]}{more}, which the conversion did not write"
 
     restamped = False
     for name, record in files.items():
@@ -109,6 +114,11 @@ def file_sha256(path: Path) -> str:
 
 def _checkpoint_files(folder: Path) -> list[Path]:
     return sorted(path for path in folder.rglob("*") if path.is_file() and path.name != MANIFEST_NAME)
+
+
+def _is_temporary(path: Path) -> bool:
+    """A file `atomic_write_text` is writing (another process restamping the manifest): `.<name>.<random>.tmp`."""
+    return path.name.startswith(".") and path.name.endswith(".tmp")
 
 
 def _stamp(path: Path) -> dict[str, int]:

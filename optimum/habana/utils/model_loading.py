@@ -68,6 +68,9 @@ _HUB_ALLOW_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.tx
 # Seconds to wait for the hub's metadata answer, so that an unreachable hub fails fast.
 _HUB_ETAG_TIMEOUT_S = 5
 _PRIVATE_PREFIX = "optimum-habana-gguf-"  # private conversions, in the system's temporary folder
+# This process's private conversions by the GGUF's digest: the scripts resolve a model more than once (the server's
+# model and processor, each rank's checks), and each would convert it again (30 s and 500 MB of /tmp each time).
+_PRIVATE_CONVERSIONS: dict[str, Path] = {}
 _HINT = "Pass a local checkpoint folder, a .gguf file or a hub repo id, or leave it out to use the default model."
 
 
@@ -216,6 +219,9 @@ def _cached_gguf_checkpoint(gguf_path: Path) -> tuple[Path, bool]:
         target.parent.mkdir(parents=True, exist_ok=True)
         staging = make_staging_folder(target.parent, _STAGING_PREFIX)
     except OSError as error:
+        private = _PRIVATE_CONVERSIONS.get(digest)
+        if private is not None and cache_manifest.verify(private) is None:  # this process converted it already
+            return private, False
         return _private_conversion(gguf_path, digest, root, error), True
     try:
         _convert_into(gguf_path, digest, staging, target)
@@ -280,6 +286,7 @@ def _private_conversion(gguf_path: Path, digest: str, root: Path, error: OSError
         CACHE_ENV_VAR,
     )
     _convert_into(gguf_path, digest, folder, folder)
+    _PRIVATE_CONVERSIONS[digest] = folder
     return folder
 
 

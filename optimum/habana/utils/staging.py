@@ -10,8 +10,11 @@ import os
 import secrets
 import shutil
 import socket
+import stat
+import sys
 import time
 from pathlib import Path
+from typing import Any
 
 
 STAGING_SUFFIX = ".tmp"
@@ -35,12 +38,25 @@ def staging_path(parent: Path, prefix: str) -> Path:
 
 
 def remove_entry(path: Path) -> None:
-    """Remove a folder with what it holds, or a file; errors ignored (cleaning up must never stop a run)."""
+    """Remove a folder with what it holds, or a file; errors ignored (cleaning up must never stop a run). A folder
+    made read-only inside is made writable by its owner first: its files could not be unlinked otherwise."""
     if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path, ignore_errors=True)
+        if sys.version_info >= (3, 12):
+            shutil.rmtree(path, onexc=_writable_then_again)
+        else:
+            shutil.rmtree(path, onerror=_writable_then_again)
     else:
         with contextlib.suppress(OSError):
             path.unlink()
+
+
+def _writable_then_again(function: Any, name: str, _error: Any) -> None:
+    """rmtree's error handler: give the failed path's parent folder (and a folder itself) its owner's write and
+    search permission, then try once more; a second failure is ignored."""
+    with contextlib.suppress(OSError):
+        for folder in {os.path.dirname(name), name if os.path.isdir(name) else None} - {None}:
+            os.chmod(folder, stat.S_IMODE(os.lstat(folder).st_mode) | stat.S_IRWXU)
+        function(name)
 
 
 def remove_stale_staging(parent: Path, prefix: str, legacy_max_age_s: float | None = None) -> list[Path]:
