@@ -233,6 +233,18 @@ def test_explain_says_how_each_sequence_is_split_and_what_each_process_runs():
         assert "over 102 positions; attention: " in line and "the sinks as one more key" in line
 
 
+def test_explain_says_soft_capped_layers_train_on_the_default_path():
+    """As the attention decides it: no fused kernel computes Gemma 2's soft-capped logits (it named the kernel)."""
+    model_class = gaudi_model_class("gemma2")
+    config = tiny_family_config("gemma2", model_class.config_class)
+    options = {"context_parallel_size": 1, "world_size": 1, "max_seq_length": 16, "device": torch.device("cpu")}
+    text = explain_training(config, use_flash_attention=True, dtype=torch.float32, **options)
+    layers = [line for line in text.splitlines() if line.startswith("layers ")]
+    assert layers and all(
+        "attention: the default matmul-softmax attention (soft-capped logits" in line for line in layers
+    )
+
+
 @pytest.mark.parametrize("skip", [0, 1, 2, 3, 5])
 def test_a_resumed_epoch_leaves_out_exactly_the_trained_batches(monkeypatch, skip):
     """Each round gathers the group's batches (here: this process's and its partner's), trained in turn; a resumed

@@ -217,11 +217,15 @@ def explain_training(
         else:
             share = f"{heads} query heads and {key_value_heads} key/value heads"
         phase = Phase("training", padded, (padded, padded), padded=True, from_empty_cache=True)
-        attention = (
-            kernel_account(group, phase, device, dtype, 1, masked=False, compiled=False)
-            if use_flash_attention
-            else "the default matmul-softmax attention (use_flash_attention off)"
-        )
+        if not use_flash_attention:
+            attention = "the default matmul-softmax attention (use_flash_attention off)"
+        elif group.softcap is not None:  # as the attention decides it (`fused_path_refusal`)
+            attention = (
+                f"the default matmul-softmax attention (soft-capped logits, softcap={group.softcap}: no fused kernel "
+                "computes them; one warning)"
+            )
+        else:
+            attention = kernel_account(group, phase, device, dtype, 1, masked=False, compiled=False)
         lines.append(
             f"{group.label}: per process {share} (heads of {head_dim}"
             + (f", values of {value_dim}" if value_dim != head_dim else "")
