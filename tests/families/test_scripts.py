@@ -153,3 +153,30 @@ def test_explain_reads_the_layers_of_every_served_family():
         config = tiny_family_config(model_type, model_class.config_class)
         heads, kv_heads = attention_layer_groups(meta_model(model_class, config))[0].geometry[:2]
         assert heads % kv_heads == 0, model_type
+
+
+@pytest.mark.parametrize("model_type", ["mistral", "exaone4", "gpt_oss", "gemma3_text", "inkling_text", "llama"])
+def test_explain_reads_each_layers_window_as_its_call_hands_it(model_type, monkeypatch):
+    """--explain read the window off the module: Mistral hands its window in the call only (explained as plain
+    causal attention), Exaone 4's full layers hold one they do not hand on (explained as windowed)."""
+    from transformers import AttentionInterface
+
+    from optimum.habana.transformers import attention
+    from optimum.habana.transformers.families.lookups import attention_modules_of, call_window
+    from tests.families.tiny_configs import tiny_family_config
+
+    model_class = gaudi_model_class(model_type)
+    model = model_class(tiny_family_config(model_type, model_class.config_class)).eval()
+    handed = {}
+
+    def recorded(module, *args, **kwargs):
+        handed.setdefault(module, kwargs.get("sliding_window"))
+        return attention.gaudi_attention_forward(module, *args, **kwargs)
+
+    monkeypatch.setitem(AttentionInterface._global_mapping, "gaudi", recorded)
+    with torch.no_grad():
+        model(torch.randint(3, 50, (1, 12)))
+    modules = attention_modules_of(model)
+    assert [call_window(module, model.config) for module in modules] == [handed[module] for module in modules]
+    if model_type in ("mistral", "exaone4"):
+        assert len(set(handed.values())) == (1 if model_type == "mistral" else 2) and 8 in handed.values()

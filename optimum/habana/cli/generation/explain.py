@@ -27,7 +27,7 @@ from optimum.habana.transformers.attention_flags import AttentionFlags
 from optimum.habana.transformers.batch_layout import local_layers_run_planned, padding_mask_is_all_it_needs
 from optimum.habana.transformers.cache import bucketed_length
 from optimum.habana.transformers.continuous_batching import check_engine_serves
-from optimum.habana.transformers.families.lookups import attention_modules_of
+from optimum.habana.transformers.families.lookups import attention_modules_of, call_window
 from optimum.habana.transformers.latent_attention import receives_compressed_latent
 from optimum.habana.transformers.models import family_problem, gaudi_model_class
 from optimum.habana.utils.gguf_parsing import parsed_once
@@ -217,7 +217,7 @@ def attention_layer_groups(model: torch.nn.Module) -> list[LayerGroup]:
     by_settings: dict[tuple, list[int]] = {}
     for index, module in enumerate(attention_modules_of(model)):
         settings = (
-            getattr(module, "sliding_window", None),
+            call_window(module, model.config),
             getattr(module, "attn_logit_softcapping", None),
             float(module.scaling),
             layer_variant(module, model.config),
@@ -291,7 +291,7 @@ def layer_variant(module: torch.nn.Module, config) -> str:
     kind = layer_types[layer_index] if isinstance(layer_index, int) and layer_index < len(layer_types) else None
     if kind == "chunked_attention":
         parts.append(f"chunked local attention, chunks of {config.attention_chunk_size} tokens")
-    if isinstance(window := getattr(module, "sliding_window", None), int):
+    if isinstance(window := call_window(module, config), int):
         parts.append(f"sliding window of {window} tokens")
     if isinstance(getattr(module, "sinks", None), torch.Tensor):
         parts.append(SINKS_VARIANT)

@@ -37,3 +37,20 @@ def attention_modules_of(model: Any) -> list[Any]:
 
 
 __all__ = ["attention_modules_of", "family_is_windowed", "family_runs_mask_free"]
+
+
+def call_window(module: Any, config: Any) -> int | None:
+    """The sliding window an attention layer's call hands the attention (its `sliding_window` keyword), read before
+    any call: a full-attention layer's is None even where the module holds one (Exaone 4), and a family that passes
+    only its config's (Mistral) has it from there. Checked against real calls for every served family."""
+    layer_types = getattr(config, "layer_types", None) or ()
+    index = getattr(module, "layer_idx", None)
+    window = getattr(module, "sliding_window", None)
+    window = window if isinstance(window, int) else None
+    if isinstance(index, int) and index < len(layer_types):
+        if layer_types[index] == "full_attention":
+            return None
+        return window or (config.sliding_window if layer_types[index] == "sliding_attention" else None)
+    if window is not None or not family_is_windowed(config.model_type):
+        return window
+    return getattr(config, "sliding_window", None)
