@@ -166,6 +166,11 @@ def test_prompt_tuning_trains_on_a_left_padded_batch_as_stock(monkeypatch):
     torch.testing.assert_close(loss, expected_loss, rtol=1e-6, atol=1e-6)
     for gradient, expected in zip(gradients, expected_gradients, strict=True):
         torch.testing.assert_close(gradient, expected, rtol=1e-5, atol=1e-7)
+    with torch.no_grad():  # evaluation (Trainer.evaluate) reads the same position: it ran with the padding zeroed
+        expected = stock(**inputs, labels=labels)
+        found = ours(**inputs, labels=labels, use_flash_attention=True)
+    torch.testing.assert_close(found.loss, expected.loss, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(found.logits, expected.logits, rtol=1e-5, atol=1e-5)
 
 
 def test_padding_free_batches_through_the_decoder_run_one_call_per_example(monkeypatch):

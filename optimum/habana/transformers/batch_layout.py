@@ -94,10 +94,10 @@ def _plan(config: PreTrainedConfig, kwargs: dict[str, Any]) -> dict[str, Any]:
     if not (mask_free or causal_mask_mode):
         return {}
     prompt = padded_prompt(attention_mask, side)
-    if prompt.side == "any" and torch.is_grad_enabled() and host_reads_allowed(attention_mask):
-        # Padding found in the middle of rows, with gradients: the loss reads a padding position followed by a real
-        # token (it predicts that token), and stock gives it attention over the real keys before it (PEFT's prompt
-        # tuning puts its virtual tokens there). transformers' mask gives every position stock's value.
+    if prompt.side == "any" and host_reads_allowed(attention_mask):
+        # Padding found in the middle of rows: a loss reads a padding position followed by a real token (it predicts
+        # that token), in training and in evaluation alike, and stock gives it attention over the real keys before it
+        # (PEFT's prompt tuning puts its virtual tokens there). transformers' mask gives every position stock's value.
         return {}
     if mask_free:  # transformers builds no mask: every layer runs the prompt causally over its real tokens
         return {"padded_prompt": prompt, "attention_mask": prompt.real[:, None, None, :]}
