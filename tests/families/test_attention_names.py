@@ -104,3 +104,17 @@ def test_the_fused_name_loads_a_gaudi_class_whose_stock_class_has_no_sdpa(model_
     real = inputs["attention_mask"].bool()
     with torch.no_grad():
         assert (logits[real] - eager(**inputs).logits[real]).abs().max() <= 1e-4
+
+
+def test_sdpa_is_refused_by_every_route_where_the_stock_class_has_none():
+    """As the stock class refuses it: at load and by set_attn_implementation alike (the latter took it)."""
+    gaudi_class = gaudi_model_class("gpt_oss")
+    model = gaudi_class(tiny_family_config("gpt_oss"))
+    words = "does not support an attention implementation through torch.nn.functional.scaled_dot_product_attention"
+    with pytest.raises(ValueError, match=words):
+        model.set_attn_implementation("sdpa")
+    with pytest.raises(ValueError, match=words):
+        gaudi_class._from_config(tiny_family_config("gpt_oss"), attn_implementation="sdpa")
+    with pytest.raises(ValueError, match="'gaudi_fused_sdpa' the fused kernel") as refusal:
+        model.set_attn_implementation("flex_attention")
+    assert "'sdpa'" not in str(refusal.value)

@@ -203,13 +203,17 @@ class GaudiAttentionMixin(GaudiGenerationMixin):
         self.__dict__["_attn_implementation_chosen"] = attn_implementation is not None
         if attn_implementation is None:
             return super()._check_and_adjust_attn_implementation(None, is_init_check, allow_all_kernels)
-        if attn_implementation not in ATTENTION_IMPLEMENTATIONS:
+        names = [name for name in ATTENTION_IMPLEMENTATIONS if name != "sdpa" or self._supports_sdpa]
+        if attn_implementation not in names:
+            if attn_implementation == "sdpa":  # stock SDPA cannot take the family's attention (sinks): stock's words
+                self._sdpa_can_dispatch(is_init_check)
+            fused = " and ".join(repr(name) for name in names if ATTENTION_IMPLEMENTATIONS[name])
             raise ValueError(
                 f'Specified `attn_implementation="{attn_implementation}"` is not supported by {type(self).__name__}, '
                 "which runs the Gaudi attention. The only possible arguments are "
-                f"{', '.join(f'`attn_implementation={name!r}`' for name in ATTENTION_IMPLEMENTATIONS)}: 'eager' "
-                "selects the default attention, 'sdpa' and 'gaudi_fused_sdpa' the fused kernel "
-                "(use_flash_attention=True), 'gaudi' leaves the choice to use_flash_attention."
+                f"{', '.join(f'`attn_implementation={name!r}`' for name in names)}: 'eager' selects the default "
+                f"attention, {fused} the fused kernel (use_flash_attention=True), 'gaudi' leaves the choice to "
+                "use_flash_attention."
             )
         return attn_implementation
 
