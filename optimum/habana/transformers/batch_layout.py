@@ -94,10 +94,12 @@ def _plan(config: PreTrainedConfig, kwargs: dict[str, Any]) -> dict[str, Any]:
     if not (mask_free or causal_mask_mode):
         return {}
     prompt = padded_prompt(attention_mask, side)
-    if prompt.side == "any" and host_reads_allowed(attention_mask):
-        # Padding found in the middle of rows: a loss reads a padding position followed by a real token (it predicts
-        # that token), in training and in evaluation alike, and stock gives it attention over the real keys before it
+    if prompt.side == "any" and host_reads_allowed(attention_mask) and has_padding_between_real_tokens(prompt.real):
+        # Padding between real tokens: a loss reads a padding position followed by a real token (it predicts that
+        # token), in training and in evaluation alike, and stock gives it attention over the real keys before it
         # (PEFT's prompt tuning puts its virtual tokens there). transformers' mask gives every position stock's value.
+        # Padding on both sides of a row's real tokens keeps the plan: no padding position there has a real key before
+        # it and a real token after it.
         return {}
     if mask_free:  # transformers builds no mask: every layer runs the prompt causally over its real tokens
         return {"padded_prompt": prompt, "attention_mask": prompt.real[:, None, None, :]}
@@ -174,6 +176,15 @@ def padded_prompt(attention_mask: torch.Tensor, side: PromptPaddingSide | None =
     if side is None:
         side = padding_side_of(real) if host_reads_allowed(real) else "any"
     return PaddedPrompt(real, lengths, side)
+
+
+def has_padding_between_real_tokens(real: torch.Tensor) -> bool:
+    """Whether some row of a 2-D mask of real tokens has padding between two of them. One host read."""
+    length = real.shape[-1]
+    first = real.int().argmax(dim=-1)
+    last = length - 1 - real.flip(-1).int().argmax(dim=-1)
+    spans = torch.where(real.any(dim=-1), last - first + 1, 0)
+    return bool((spans != real.sum(dim=-1)).any())
 
 
 def padding_side_of(attention_mask: torch.Tensor) -> PromptPaddingSide:
