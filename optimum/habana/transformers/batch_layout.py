@@ -93,8 +93,11 @@ def _plan(config: PreTrainedConfig, kwargs: dict[str, Any]) -> dict[str, Any]:
     mask_free = prompt_runs_mask_free(config, tokens, causal_mask_mode)
     if not (mask_free or causal_mask_mode):
         return {}
+    interior = False
+    if side is None and host_reads_allowed(attention_mask):
+        side, interior = padding_layout(attention_mask)
     prompt = padded_prompt(attention_mask, side)
-    if prompt.side == "any" and host_reads_allowed(attention_mask) and has_padding_between_real_tokens(prompt.real):
+    if interior:
         # Padding between real tokens: a loss reads a padding position followed by a real token (it predicts that
         # token), in training and in evaluation alike, and stock gives it attention over the real keys before it
         # (PEFT's prompt tuning puts its virtual tokens there). transformers' mask gives every position stock's value.
@@ -178,28 +181,29 @@ def padded_prompt(attention_mask: torch.Tensor, side: PromptPaddingSide | None =
     return PaddedPrompt(real, lengths, side)
 
 
-def has_padding_between_real_tokens(real: torch.Tensor) -> bool:
-    """Whether some row of a 2-D mask of real tokens has padding between two of them. One host read."""
-    length = real.shape[-1]
-    first = real.int().argmax(dim=-1)
-    last = length - 1 - real.flip(-1).int().argmax(dim=-1)
-    spans = torch.where(real.any(dim=-1), last - first + 1, 0)
-    return bool((spans != real.sum(dim=-1)).any())
-
-
 def padding_side_of(attention_mask: torch.Tensor) -> PromptPaddingSide:
     """Where a 2-D padding mask's padding lies: "none", "left", "right" or "any" (in the middle, or mixed). One
     host read."""
+    return padding_layout(attention_mask)[0]
+
+
+def padding_layout(attention_mask: torch.Tensor) -> tuple[PromptPaddingSide, bool]:
+    """`padding_side_of`'s answer, and whether some row has padding between two of its real tokens (rather than
+    on both sides of them), in the same host read."""
     real = attention_mask.bool()
     q_len = real.shape[1]
     positions = torch.arange(q_len, device=real.device)
     lengths = real.sum(dim=-1, keepdim=True)
     left = (real == (positions >= q_len - lengths)).all()
     right = (real == (positions < lengths)).all()
-    no_padding, is_left, is_right = torch.stack([real.all(), left, right]).tolist()
+    first = real.int().argmax(dim=-1)
+    last = q_len - 1 - real.flip(-1).int().argmax(dim=-1)
+    spans = torch.where(real.any(dim=-1), last - first + 1, 0)
+    interior = (spans != lengths[:, 0]).any()
+    no_padding, is_left, is_right, has_interior = torch.stack([real.all(), left, right, interior]).tolist()
     if no_padding:
-        return "none"
-    return "left" if is_left else "right" if is_right else "any"
+        return "none", False
+    return ("left" if is_left else "right" if is_right else "any"), has_interior
 
 
 def padding_mask_is_all_it_needs(config: PreTrainedConfig) -> bool:
