@@ -94,7 +94,7 @@ def _plan(config: PreTrainedConfig, kwargs: dict[str, Any]) -> dict[str, Any]:
     if not (mask_free or causal_mask_mode):
         return {}
     interior = False
-    if side is None and host_reads_allowed(attention_mask):
+    if side in (None, "any") and host_reads_allowed(attention_mask):  # "any" given: where, and whether in between
         side, interior = padding_layout(attention_mask)
     prompt = padded_prompt(attention_mask, side)
     if interior:
