@@ -4,8 +4,8 @@ transformers' `PagedAttentionCache` groups the layers by attention type (full, s
 allocator whose block is one page of each of its layers, and hands out memory in sectors: the least common multiple
 of the allocators' block sizes (and 128 bytes), so that a full-attention allocator uses room the sliding layers
 leave free. A request holds its prompt and every new token but the last (which is sampled, never fed back); a
-sliding-window allocator holds at most its window. Averaged over whole-model blocks, as this module did before, the
-count refused requests the engine serves.
+sliding-window allocator holds at most its window. Averaged over whole-model blocks, as the check counted before this
+module, the count refused requests the engine serves.
 """
 
 import math
