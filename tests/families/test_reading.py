@@ -2,11 +2,13 @@
 classes written here: what reaches the attention call decides, not every call of the same attribute, and a dict of
 mask arguments counts as handed on only where a mask builder or the attention receives it."""
 
+import ast
 import dataclasses
 import gc
 import importlib
 import inspect
 import weakref
+from pathlib import Path
 
 import pytest
 import torch
@@ -305,6 +307,65 @@ def test_the_syntax_of_files_and_classes_read_long_ago_is_released():
         source_facts.class_node(cls)
     gc.collect()
     assert tree() is None and node() is None
+
+
+TRICKY_SOURCE = '''"""A module docstring that shows a class at the start of a line:
+class Shown(Base):
+    pass
+"""
+import dataclasses
+
+
+class Base:
+    def forward(self):
+        return 1
+
+
+class Shown(Base):
+    """A docstring whose lines
+start in the first column."""
+
+    def forward(self):
+        return 2
+
+
+@dataclasses.dataclass
+class Decorated(
+    Base,
+):
+    value: int = 0
+    # a comment
+# a comment in the first column
+
+    def forward(self):
+        return (
+            3
+)
+'''
+
+
+def _full_file_class(cls: type) -> ast.ClassDef:
+    tree = ast.parse(Path(inspect.getsourcefile(cls)).read_text(encoding="utf-8"))
+    return next(node for node in tree.body if isinstance(node, ast.ClassDef) and node.name == cls.__name__)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2", "gpt_oss", "deepseek_v3", "qwen3_next", "tricky"])
+def test_a_class_read_from_its_own_lines_is_the_class_the_whole_file_gives(family, tmp_path, monkeypatch):
+    """Only a class's own lines are parsed (a whole modeling file costs ~40 ms), and only where they are certain:
+    a class line in a string, a docstring or bracket reaching the first column, decorators, all read as in the file."""
+    if family == "tricky":
+        (tmp_path / "tricky_module.py").write_text(TRICKY_SOURCE)
+        monkeypatch.syspath_prepend(str(tmp_path))
+        module = importlib.import_module("tricky_module")
+    else:
+        module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    classes = [
+        value for value in vars(module).values() if isinstance(value, type) and value.__module__ == module.__name__
+    ]
+    assert len(classes) >= 3
+    for cls in classes:
+        expected = ast.dump(_full_file_class(cls), include_attributes=True)
+        assert ast.dump(source_facts.class_node(cls), include_attributes=True) == expected, cls.__name__
 
 
 @pytest.mark.parametrize(
