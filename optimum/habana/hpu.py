@@ -5,6 +5,7 @@
 """
 
 import functools
+import importlib
 import inspect
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -29,6 +30,28 @@ class HPUKernel:
     # Later 1.18-style kernels append (return_dropout_mask, return_attn_probs, window_size, sink): the recompute
     # variant then takes a sliding window and attention sinks.
     takes_sinks: bool = False
+
+
+# What hpu_kernel() imports, in order, for the message that says which one is missing.
+KERNEL_IMPORTS = (
+    ("habana_frameworks.torch.hpu", "sdp_kernel"),
+    ("habana_frameworks.torch.hpex.kernels", "FusedSDPA"),
+)
+
+
+@functools.cache
+def missing_kernel() -> str:
+    """Why hpu_kernel() found no kernel: the Gaudi software absent, or installed without FusedSDPA or sdp_kernel."""
+    try:
+        import habana_frameworks.torch  # noqa: F401
+    except ImportError as error:
+        return f"habana_frameworks cannot be imported ({error})"
+    for module, name in KERNEL_IMPORTS:
+        try:
+            getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError) as error:
+            return f"the installed Gaudi software has no {module}.{name} ({error})"
+    return "habana_frameworks' FusedSDPA cannot be used"
 
 
 @functools.cache

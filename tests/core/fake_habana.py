@@ -140,6 +140,17 @@ def reference_sdpa(query, key, value, attn_mask, is_causal, scale, valid_seq_len
     return torch.matmul(probabilities, value).to(query.dtype)
 
 
+def treat_tensors_as_hpu(monkeypatch) -> None:
+    """Make every module of the library that asks `on_hpu` see HPU tensors, as on a Gaudi card: each module that
+    imported the function holds its own binding, and one left on the CPU answer plans for another device."""
+    from optimum.habana import hpu
+
+    original = hpu.on_hpu
+    for name, module in list(sys.modules.items()):
+        if name.startswith("optimum.habana") and getattr(module, "on_hpu", None) is original:
+            monkeypatch.setattr(module, "on_hpu", lambda tensor: True)
+
+
 def install(monkeypatch, version: str = "1.18") -> FakeHabana:
     """Put the double in sys.modules; returns the recorder."""
     state = FakeHabana(version)

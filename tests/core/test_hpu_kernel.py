@@ -1,10 +1,15 @@
 """The HPU path, through a test double of `habana_frameworks`: exact FusedSDPA arguments per phase and version."""
 
+import sys
+import types
+import warnings
+
 import pytest
 import torch
 
 from optimum.habana import GaudiLlamaForCausalLM, gaudi_model_class, hpu
 from optimum.habana.kernels import dispatch
+from optimum.habana.transformers.models import family_report
 from tests.core import fake_habana
 from tests.helpers import build_pair, left_padded_batch, tiny_llama_config
 
@@ -25,7 +30,7 @@ def gaudi(monkeypatch, version: str = "1.18") -> fake_habana.FakeHabana:
     """Install the double and treat the (CPU) test tensors as HPU tensors."""
     state = fake_habana.install(monkeypatch, version)
     hpu.hpu_kernel.cache_clear()
-    monkeypatch.setattr(dispatch, "on_hpu", lambda tensor: True)
+    fake_habana.treat_tensors_as_hpu(monkeypatch)
     return state
 
 
@@ -217,7 +222,7 @@ def test_fast_softmax_in_recompute_training_through_the_value_alone_takes_the_ex
 
 
 def test_hpu_tensors_without_the_gaudi_software_fall_back_with_one_warning(model, monkeypatch):
-    monkeypatch.setattr(dispatch, "on_hpu", lambda tensor: True)
+    fake_habana.treat_tensors_as_hpu(monkeypatch)
     monkeypatch.setattr(hpu, "hpu_kernel", lambda: None)
     monkeypatch.setattr(dispatch, "hpu_kernel", lambda: None)
     inputs = batch([9, 5])
@@ -344,3 +349,71 @@ def test_a_right_padded_prompt_continues_from_its_last_position_as_the_default_p
         assert mask[0].eq(0).all() and mask[1, ..., :6].eq(0).all()
         assert mask[1, ..., 6:].eq(torch.finfo(torch.float32).min).all()
     assert len(state.calls) == 2 * LAYERS + LAYERS * (NEW_TOKENS - 1)
+
+
+@pytest.mark.parametrize(
+    ("model_type", "local_layer", "extent"),
+    [
+        ("mistral", "sliding_attention", "a sliding window of 8 tokens"),
+        ("gpt_oss", "sliding_attention", "a sliding window of 8 tokens"),
+        ("llama4_text", "chunked_attention", "chunks of 8 tokens"),
+    ],
+)
+def test_generate_in_the_causal_mask_mode_gives_windowed_families_valid_lengths(
+    model_type, local_layer, extent, monkeypatch
+):
+    """generate() hands the prompt's 2-D mask on in the causal-mask mode, as in a forward: every prompt call within
+    its window or chunk takes FusedSDPA's valid lengths, a longer prompt's windowed layers keep transformers' mask
+    (one line says so), and every step's logits are stock's. It once kept generate()'s 4-D masks: no valid lengths
+    for any layer of these families, and not a word."""
+    from tests.families.support import assert_same_steps, family_pair
+    from tests.families.support import greedy as greedy_steps
+
+    ours, stock = family_pair(model_type)
+    version = "1.18-sinks" if model_type == "gpt_oss" else "1.18"
+    layer_types = getattr(ours.config, "layer_types", None) or [local_layer] * ours.config.num_hidden_layers
+    (attention_class,) = family_report(model_type).attention_classes
+    for lengths in ([7, 5, 6], [12, 5, 9]):  # within the tiny windows and chunks (8 tokens), then past them
+        inputs = left_padded_batch(lengths, seed=7)
+        state = gaudi(monkeypatch, version)
+        dispatch.warn_once.cache_clear()
+        with warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
+            steps = greedy_steps(ours, inputs, use_flash_attention=True, flash_attention_causal_mask=True)
+        monkeypatch.undo()
+        assert_same_steps(steps, greedy_steps(stock, inputs))
+        prompt = [call for call in state.calls if call.query.shape[2] == max(lengths)]
+        assert len(prompt) == len(layer_types)
+        for call, layer_type in zip(prompt, layer_types, strict=True):
+            planned = max(lengths) <= 8 or layer_type == "full_attention"
+            assert (call.arguments["valid_seq_len"] is not None) == planned, (lengths, layer_type)
+            assert (call.arguments["attn_mask"] is None) == planned, (lengths, layer_type)
+        said = [str(warning.message) for warning in record if "flash_attention_causal_mask" in str(warning.message)]
+        kept = "chunks" if local_layer == "chunked_attention" else "window"
+        line = (
+            f"flash_attention_causal_mask: {attention_class} attends within {extent}, shorter than this prompt (12); "
+            f"its layers read the mask to keep the {kept}."
+        )
+        assert said == ([] if max(lengths) <= 8 else [line])
+
+
+def test_gaudi_software_without_fusedsdpa_is_named_in_the_one_warning(model, monkeypatch):
+    """Not "habana_frameworks cannot be imported": the package imports, its kernels module lacks FusedSDPA."""
+    gaudi(monkeypatch)
+    kernels = types.ModuleType("habana_frameworks.torch.hpex.kernels")
+    monkeypatch.setitem(sys.modules, kernels.__name__, kernels)
+    monkeypatch.setattr(sys.modules["habana_frameworks.torch.hpex"], "kernels", kernels)
+    hpu.hpu_kernel.cache_clear()
+    hpu.missing_kernel.cache_clear()
+    inputs = batch([9, 5])
+    expected = greedy(model, inputs)
+    dispatch.warn_once.cache_clear()
+    with pytest.warns(UserWarning) as record:
+        tokens = greedy(model, inputs, use_flash_attention=True)
+    hpu.missing_kernel.cache_clear()
+    (warning,) = record
+    assert (
+        "tensors are on HPU but the installed Gaudi software has no habana_frameworks.torch.hpex.kernels.FusedSDPA"
+        in str(warning.message)
+    )
+    assert torch.equal(tokens, expected)

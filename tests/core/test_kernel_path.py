@@ -151,7 +151,7 @@ def test_on_gaudi_the_sinks_go_to_fusedsdpa_or_one_more_key_with_equal_head_size
 
     state = fake_habana.install(monkeypatch, "1.18-sinks")
     hpu.hpu_kernel.cache_clear()
-    monkeypatch.setattr(dispatch, "on_hpu", lambda tensor: True)
+    fake_habana.treat_tensors_as_hpu(monkeypatch)
     try:
         query, key, value, mask = call(q_len=40)
         training = trained is not None

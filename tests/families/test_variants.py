@@ -6,7 +6,6 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from optimum.habana.kernels import dispatch
 from optimum.habana.kernels.dispatch import fused_sdpa
 from optimum.habana.transformers import attention
 from tests.families.support import LENGTHS, assert_same_steps, family_pair, greedy, repeated_layers
@@ -96,7 +95,7 @@ def flash_tokens_through_the_hpu_double(monkeypatch, model, version: str = "1.18
 
     state = fake_habana.install(monkeypatch, version)
     hpu.hpu_kernel.cache_clear()
-    monkeypatch.setattr(dispatch, "on_hpu", lambda tensor: True)
+    fake_habana.treat_tensors_as_hpu(monkeypatch)
     try:
         tokens = greedy(model, left_padded_batch(list(lengths)), use_flash_attention=True)
     finally:

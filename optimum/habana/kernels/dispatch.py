@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers.utils.import_utils import is_tracing
 
-from ..hpu import HPUKernel, hpu_kernel, on_hpu
+from ..hpu import HPUKernel, hpu_kernel, missing_kernel, on_hpu
 from .cpu_decode import cpu_decode_applies, cpu_decode_sdpa
 from .decode import query_groups_as_rows
 from .sinks import SINK_COLUMNS, with_sink_key
@@ -212,7 +212,7 @@ def fused_sdpa(
     if path.kernel == "FusedSDPA":
         kernel = hpu_kernel()
         if kernel is None:
-            raise FusedSDPAUnavailable("tensors are on HPU but habana_frameworks cannot be imported")
+            raise FusedSDPAUnavailable(f"tensors are on HPU but {missing_kernel()}")
         output = _hpu_fused_sdpa(
             kernel, query, key, value, attn_mask, **options, softmax_mode=softmax_mode, recompute=recompute,
             valid_sequence_lengths=valid_sequence_lengths, padding_side=padding_side, sinks=sinks,

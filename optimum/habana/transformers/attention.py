@@ -187,10 +187,12 @@ def attention_forward(
     if padded_prompt is not None and (window or chunk):
         if not is_real_keys_only(attention_mask):  # transformers' own mask reached the layer: it keeps the window
             if flags.use_flash_attention and flags.flash_attention_causal_mask:
+                extent, kept = (
+                    (f"a sliding window of {window}", "window") if window else (f"chunks of {chunk}", "chunks")
+                )
                 warn_once(
-                    f"flash_attention_causal_mask: {type(module).__name__} attends within a sliding window of "
-                    f"{window or chunk} tokens, shorter than this prompt ({query.shape[2]}); its layers read the "
-                    "mask to keep the window."
+                    f"flash_attention_causal_mask: {type(module).__name__} attends within {extent} tokens, shorter "
+                    f"than this prompt ({query.shape[2]}); its layers read the mask to keep the {kept}."
                 )
             padded_prompt = None
         elif padded_prompt.side == "any":  # padding in the middle: the window counts it, as transformers does

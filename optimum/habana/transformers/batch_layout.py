@@ -90,9 +90,9 @@ def _plan(config: PreTrainedConfig, kwargs: dict[str, Any]) -> dict[str, Any]:
     if not kwargs["use_flash_attention"] or not is_empty_cache_prompt(attention_mask, tokens.shape[1]):
         return {}
     causal_mask_mode = kwargs["flash_attention_causal_mask"]
-    mask_free = prompt_runs_mask_free(config, tokens, causal_mask_mode)
-    if not (mask_free or causal_mask_mode):
+    if not prompt_is_planned(config, tokens, causal_mask_mode):
         return {}
+    mask_free = prompt_runs_mask_free(config, tokens, causal_mask_mode)
     interior = False
     if side in (None, "any") and host_reads_allowed(attention_mask):  # "any" given: where, and whether in between
         side, interior = padding_layout(attention_mask)
@@ -115,6 +115,12 @@ def prompt_runs_mask_free(config: PreTrainedConfig, tokens: torch.Tensor, causal
     kernel does not read the mask (Gaudi without the causal-mask mode)."""
     layers_plan_it = padding_mask_is_all_it_needs(config) or (not on_hpu(tokens) and local_layers_run_planned(config))
     return layers_plan_it and not needs_padding_mask(tokens, causal_mask_mode)
+
+
+def prompt_is_planned(config: PreTrainedConfig, tokens: torch.Tensor, causal_mask_mode: bool) -> bool:
+    """Whether a padded prompt from an empty cache is planned on the fused path: it runs mask-free, or the causal-mask
+    mode gives the kernel the rows' valid lengths (layers with a window or chunk still read transformers' mask)."""
+    return causal_mask_mode or prompt_runs_mask_free(config, tokens, causal_mask_mode)
 
 
 def generation_masks_are_the_familys(config: PreTrainedConfig) -> bool:
@@ -334,5 +340,6 @@ __all__ = [
     "paged_bounds",
     "paged_segments",
     "plan_batch_layout",
+    "prompt_is_planned",
     "prompt_runs_mask_free",
 ]

@@ -49,7 +49,7 @@ from .batch_layout import (
     generation_masks_are_the_familys,
     is_padding_mask,
     padding_side_of,
-    prompt_runs_mask_free,
+    prompt_is_planned,
 )
 from .cache import BucketedStaticCache
 from .continuous_batching import ChosenAttnImplementation, engine_flags, init_manager
@@ -338,11 +338,11 @@ class GaudiAttentionMixin(GaudiGenerationMixin):
         """
         for name in GENERATION_ONLY_KWARGS:
             kwargs.pop(name, None)
-        mask_free_prompt = (
+        planned_prompt = (
             is_first_iteration
             and kwargs.get("use_flash_attention")
             and is_padding_mask(attention_mask)
-            and prompt_runs_mask_free(self.config, input_ids, bool(kwargs.get("flash_attention_causal_mask")))
+            and prompt_is_planned(self.config, input_ids, bool(kwargs.get("flash_attention_causal_mask")))
             and generation_masks_are_the_familys(self.config)
         )
         if is_first_iteration and kwargs.get("use_flash_attention") and is_padding_mask(attention_mask):
@@ -363,9 +363,10 @@ class GaudiAttentionMixin(GaudiGenerationMixin):
             **kwargs,
         )
         tokens = inputs.get("inputs_embeds") if inputs.get("inputs_embeds") is not None else inputs.get("input_ids")
-        if mask_free_prompt and tokens is not None and attention_mask.shape[1] == tokens.shape[1]:
+        if planned_prompt and tokens is not None and attention_mask.shape[1] == tokens.shape[1]:
             # A static cache gets transformers' 4-D masks from generate(); the fused path plans the prompt from its
-            # 2-D mask instead (batch_layout), without the [B, 1, q, max_cache_len] one.
+            # 2-D mask instead (batch_layout): without the [B, 1, q, max_cache_len] one where it runs mask-free, and
+            # in the causal-mask mode with the rows' valid lengths (the decoder builds the windowed layers' masks).
             inputs["attention_mask"] = attention_mask
         return inputs
 
