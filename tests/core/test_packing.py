@@ -6,6 +6,8 @@ model builds a KV cache (the default `use_cache=True`, under which stock transfo
 other). With the flag, the kernel runs once per example and no mask reaches it.
 """
 
+import warnings
+
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
@@ -177,3 +179,46 @@ def test_soft_capped_family_falls_back_to_the_packed_mask():
     model = lora_model("gemma2", sliding_window=5)
     (logits, _, _), (alone_logits, _, _) = packed_and_alone(model, examples(1), False, use_flash_attention=True)
     torch.testing.assert_close(logits, alone_logits, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_next", "bamba"])
+def test_a_packed_batch_reaching_layers_with_a_running_state_is_said_once(model_type):
+    """Linear-attention and state-space layers see no position id: a packed row carries each example's state into
+    the next (stock too, silently). The docs' promise of per-example results cannot hold there: one line says so,
+    naming the layers; a padded batch, one example per row, or a batch with the bounds the family reads, says nothing."""
+    from optimum.habana import gaudi_model_class
+    from optimum.habana.kernels import dispatch
+    from tests.families.tiny_configs import tiny_family_config
+
+    gaudi_class = gaudi_model_class(model_type)
+    torch.manual_seed(0)
+    model = gaudi_class(tiny_family_config(model_type, gaudi_class.config_class, vocab_size=256)).eval()
+    packed = DataCollatorWithFlattening()(examples())
+    layers = ", ".join(sorted(set(model.config.layer_types) - {"attention", "full_attention"}))
+    dispatch.warn_once.cache_clear()
+    for flag in (False, True):
+        with warnings.catch_warnings(record=True) as record, torch.no_grad():
+            warnings.simplefilter("always")
+            model(**packed, use_flash_attention=flag)
+        said = [str(warning.message) for warning in record if "packed batch" in str(warning.message)]
+        assert said == ([] if flag else [  # once a process
+            f"{model_type}: a packed batch (position ids restarting inside a row, no attention mask) reaches its "
+            f"{layers} layers, whose state runs along the sequence: each example's state carries into the next (as "
+            "in stock transformers), so its logits, loss and gradients are not those it gets alone. Pad the batch "
+            "instead (with an attention mask)."
+        ])  # fmt: skip
+    dispatch.warn_once.cache_clear()
+    ids = torch.tensor([examples()[1]["input_ids"]])
+    quiet = [
+        {"input_ids": ids, "position_ids": torch.arange(ids.shape[1])[None]},  # one example per row
+        {"input_ids": ids[:, :6].repeat(2, 1), "attention_mask": torch.ones(2, 6, dtype=torch.long)},  # padded
+        {**packed, "seq_idx": torch.zeros_like(packed["input_ids"], dtype=torch.int32)},  # the family's bounds
+    ]
+    for inputs in quiet:
+        with warnings.catch_warnings(record=True) as record, torch.no_grad():
+            warnings.simplefilter("always")
+            try:
+                model(**{key: value for key, value in inputs.items() if key != "labels"})
+            except ValueError as error:  # the bounds given, without the kernels that take them: transformers says so
+                assert "can't keep packed sequences apart" in str(error) and "seq_idx" in inputs
+        assert not [warning for warning in record if "packed batch" in str(warning.message)], inputs.keys()

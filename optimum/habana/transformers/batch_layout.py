@@ -27,9 +27,9 @@ from transformers.masking_utils import (
 )
 from transformers.utils.import_utils import is_tracing
 
-from ..kernels.dispatch import host_reads_allowed, needs_padding_mask, on_hpu
+from ..kernels.dispatch import host_reads_allowed, needs_padding_mask, on_hpu, warn_once
 from ..kernels.variable_length import PaddedPrompt, PromptPaddingSide, Segment, Segments
-from .families.lookups import family_runs_mask_free
+from .families.lookups import family_runs_mask_free, sequential_layers
 from .families.qualification import ALTERNATING, CHUNKED, WINDOW, family_report
 
 
@@ -81,7 +81,10 @@ def _plan(config: PreTrainedConfig, kwargs: dict[str, Any]) -> dict[str, Any]:
         if kwargs["use_flash_attention"] and planned and host_reads_allowed(tokens):
             return {"segment_bounds": paged_bounds(kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k"))}
         return {}
-    if attention_mask is None and cache is None and tokens.shape[1] > 1 and can_run_packed(config):
+    if attention_mask is None and cache is None and tokens.shape[1] > 1:
+        if not can_run_packed(config):
+            warn_if_states_cross_examples(config, kwargs, tokens)
+            return {}
         segments = packed_segments(kwargs.get("position_ids"), kwargs.get("cu_seq_lens_q"), tokens)
         if segments is not None:
             placeholder = torch.ones(tokens.shape[0], 1, 1, tokens.shape[1], dtype=torch.bool, device=tokens.device)
@@ -234,6 +237,24 @@ def can_run_packed(config: PreTrainedConfig) -> bool:
         return False
     layer_types = getattr(config, "layer_types", None) or ()
     return set(layer_types) <= {"full_attention", "sliding_attention"}
+
+
+def warn_if_states_cross_examples(config: PreTrainedConfig, kwargs: dict[str, Any], tokens: torch.Tensor) -> None:
+    """One line where a packed batch (position ids restarting in a row, no attention mask) reaches layers whose state
+    runs along the sequence and nothing tells them the examples' bounds: each example's state carries into the next,
+    silently in stock transformers too. One host read, where reading is allowed; none where bounds are given."""
+    layers = sequential_layers(config)
+    position_ids = kwargs.get("position_ids")
+    bounds_given = any(kwargs.get(name) is not None for name in ("cu_seq_lens_q", "seq_idx"))
+    if not layers or bounds_given or not isinstance(position_ids, torch.Tensor) or not host_reads_allowed(tokens):
+        return
+    if position_ids.shape[-1] > 1 and bool((torch.diff(position_ids, dim=-1) != 1).any()):
+        warn_once(
+            f"{config.model_type}: a packed batch (position ids restarting inside a row, no attention mask) reaches "
+            f"its {', '.join(layers)} layers, whose state runs along the sequence: each example's state carries into "
+            "the next (as in stock transformers), so its logits, loss and gradients are not those it gets alone. "
+            "Pad the batch instead (with an attention mask)."
+        )
 
 
 def packed_segments(

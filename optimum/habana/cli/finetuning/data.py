@@ -17,7 +17,7 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from optimum.habana.transformers.context_parallel import sequential_layers
+from optimum.habana.transformers.families.lookups import sequential_layers
 from optimum.habana.utils.model_loading import ResolvedModel
 
 from .errors import FineTuningError

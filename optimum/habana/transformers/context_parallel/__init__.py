@@ -32,13 +32,10 @@ from transformers import PreTrainedConfig
 
 from ...kernels.dispatch import host_reads_allowed
 from ..batch_layout import can_run_packed, local_layers_run_planned, packed_segments, padded_prompt, padding_side_of
-from ..families.qualification import NON_ATTENTION_LAYERS
+from ..families.lookups import sequential_layers
 
 
 IGNORE_INDEX = -100  # transformers' loss ignores these labels
-# Layer kinds whose state runs along the sequence: on each process it would start again at that process's first
-# position, so their outputs (and gradients) would be wrong.
-SEQUENTIAL_LAYERS = NON_ATTENTION_LAYERS - {"mlp", "moe"}
 
 
 class ContextParallelError(ValueError):
@@ -64,12 +61,6 @@ def check_no_foreign_split() -> None:
             "ContextParallelTrainer (optimum.habana.transformers.context_parallel.trainer) or run_lora_clm.py "
             "--context_parallel_size instead."
         )
-
-
-def sequential_layers(config: PreTrainedConfig) -> list[str]:
-    """The kinds of layer of `config` whose state runs along the sequence (state-space, linear attention,
-    convolutions): they see no example boundary in a packed row and no process boundary in a split one."""
-    return sorted(set(getattr(config, "layer_types", None) or ()) & SEQUENTIAL_LAYERS)
 
 
 def context_parallel_refusal(config: PreTrainedConfig) -> str | None:

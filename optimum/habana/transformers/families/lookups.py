@@ -3,8 +3,12 @@ them cheaply, also while torch.compile traces it (a Gaudi model asks once when i
 
 from typing import Any
 
-from .qualification import ALTERNATING, WINDOW, family_report
+from .qualification import ALTERNATING, NON_ATTENTION_LAYERS, WINDOW, family_report
 
+
+# Layer kinds whose state runs along the sequence (state-space, linear attention, convolutions): they see no example
+# boundary in a packed row and no process boundary in a split one.
+SEQUENTIAL_LAYERS = NON_ATTENTION_LAYERS - {"mlp", "moe"}
 
 _MASK_FREE: dict[str, bool] = {}
 _WINDOWED: dict[str, bool] = {}
@@ -36,9 +40,6 @@ def attention_modules_of(model: Any) -> list[Any]:
     return [module for module in model.modules() if type(module).__name__ in classes]
 
 
-__all__ = ["attention_modules_of", "family_is_windowed", "family_runs_mask_free"]
-
-
 def call_window(module: Any, config: Any) -> int | None:
     """The sliding window an attention layer's call hands the attention (its `sliding_window` keyword), read before
     any call: a full-attention layer's is None even where the module holds one (Exaone 4), and a family that passes
@@ -54,3 +55,18 @@ def call_window(module: Any, config: Any) -> int | None:
     if window is not None or not family_is_windowed(config.model_type):
         return window
     return getattr(config, "sliding_window", None)
+
+
+def sequential_layers(config: Any) -> list[str]:
+    """The kinds of layer of `config` whose state runs along the sequence (`SEQUENTIAL_LAYERS`)."""
+    return sorted(set(getattr(config, "layer_types", None) or ()) & SEQUENTIAL_LAYERS)
+
+
+__all__ = [
+    "SEQUENTIAL_LAYERS",
+    "attention_modules_of",
+    "call_window",
+    "family_is_windowed",
+    "family_runs_mask_free",
+    "sequential_layers",
+]
