@@ -6,7 +6,7 @@ import pytest
 from transformers.generation.continuous_batching.scheduler import Scheduler
 
 from optimum.habana.cli.generation.explain import explain
-from optimum.habana.cli.generation.explain_engine import PAGED_ENTRY
+from optimum.habana.cli.generation.explain.engine import PAGED_ENTRY
 from optimum.habana.kernels import cpu_decode
 from optimum.habana.transformers import paged_attention
 from tests.generation.support import parse

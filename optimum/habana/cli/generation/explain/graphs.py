@@ -15,9 +15,9 @@ from transformers import PreTrainedConfig
 from optimum.habana.transformers.models import gaudi_model_class
 from optimum.habana.utils.graph_capture import CompileCounter, GraphReport
 
-from .arguments import ScriptArguments
-from .capture import compile_backend, eager_decode_reason, is_captured
-from .generation_config import KVCacheSupply, build_generation_config, kv_cache_layout
+from ..arguments import ScriptArguments
+from ..capture import compile_backend, eager_decode_reason, is_captured
+from ..generation_config import KVCacheSupply, build_generation_config, kv_cache_layout
 
 
 # The sizes of the traced copy: any family's layers keep their structure (windows, soft-capping, scales, experts).

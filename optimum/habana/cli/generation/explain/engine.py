@@ -14,7 +14,7 @@ from optimum.habana.transformers.continuous_batching import steps_run_mask_free
 
 PAGED_ENTRY = "the CPU decode kernel's paged entry (optimum.habana.kernels.cpu_decode)"
 GATHERED = "the keys gathered from its pages"
-SINKS_VARIANT = "attention sinks: one more logit in each row's softmax"  # a layer group's variant (explain.py)
+SINKS_VARIANT = "attention sinks: one more logit in each row's softmax"  # a layer group's variant (layers.py)
 
 
 def engine_call_accounts(
@@ -26,7 +26,7 @@ def engine_call_accounts(
     decode_kernel: bool,
     max_batch_tokens: int,
 ) -> list[str]:
-    """The attention-call lines for engine steps with prompts and steps that decode, per layer group (`explain.py`'s
+    """The attention-call lines for engine steps with prompts and steps that decode, per layer group (`layers.py`'s
     `LayerGroup`). `kernel`: the device's fused kernel; `decode_kernel`: eager decode on CPU runs the library's."""
     engine_mask = not steps_run_mask_free(flags.use_flash_attention, config, device.type)
     # The decoder plans the step's sequences on the host where a layer may run them without the engine's mask.
