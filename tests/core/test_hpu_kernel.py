@@ -417,3 +417,33 @@ def test_gaudi_software_without_fusedsdpa_is_named_in_the_one_warning(model, mon
         in str(warning.message)
     )
     assert torch.equal(tokens, expected)
+
+
+def test_continuous_batching_decode_steps_stay_exact_and_keep_no_probabilities(monkeypatch):
+    """An engine step of one new token per sequence stacks the sequences' decode steps as its query rows: those get
+    the exact softmax and no recompute, as generate()'s decode steps do; its prompts the companions. They once took
+    the rows for a prompt (more than one query): every multi-sequence decode step on Gaudi ran the fast softmax."""
+    from transformers import ContinuousBatchingConfig, GenerationConfig
+    from transformers.utils import is_torch_hpu_available
+
+    from optimum.habana.transformers import continuous_batching
+
+    is_torch_hpu_available()  # transformers' answer, cached before the double (a module without a spec) is in place
+    state = gaudi(monkeypatch)
+    on_cpu = continuous_batching.steps_run_mask_free  # on a card the model is on "hpu": the engine builds its mask
+    monkeypatch.setattr(
+        continuous_batching, "steps_run_mask_free", lambda flag, config, device: on_cpu(flag, config, "hpu")
+    )
+    torch.manual_seed(0)
+    model = GaudiLlamaForCausalLM(tiny_llama_config(num_hidden_layers=1, initializer_range=0.1)).eval()
+    flags = {"use_flash_attention": True, "flash_attention_fast_softmax": True, "flash_attention_recompute": True}
+    prompts = [[5, 6, 7, 8, 9], [10, 11, 12, 13, 14], [20, 21, 22, 23, 24]]
+    config = GenerationConfig(max_new_tokens=4, do_sample=False, eos_token_id=-1, pad_token_id=0, **flags)
+    engine = ContinuousBatchingConfig(num_blocks=16, page_size=16, max_batch_tokens=64)
+    results = model.generate_batch(inputs=prompts, generation_config=config, continuous_batching_config=engine)
+    expected = model.generate(torch.tensor(prompts), max_new_tokens=4, do_sample=False, pad_token_id=0)
+    assert [results[key].generated_tokens for key in sorted(results)] == expected[:, 5:].tolist()
+    calls = [
+        (call.query.shape[2], call.arguments["softmax_mode"], call.arguments["recompute_mode"]) for call in state.calls
+    ]
+    assert calls == [(15, "fast", True), (3, "None", False), (3, "None", False), (3, "None", False)]

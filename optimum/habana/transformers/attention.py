@@ -143,6 +143,7 @@ def attention_forward(
             "spelling), or one the family computes with that the Gaudi attention does not "
             "(`python -m optimum.habana.families` says which families qualify)."
         )
+    decode_rows = False
     if paged_cache is not None:  # continuous batching: the layer writes and reads its paged cache
         check_cache_geometry(module, key, value, paged_cache)
         cache_kwargs = {**kwargs, **engine_kwargs}  # what the cache reads (and rewrites: cu_seq_lens_k per layer kind)
@@ -173,6 +174,9 @@ def attention_forward(
         )
         if mask_free:
             segments = paged_step_segments(cache_kwargs, query.shape[2], key.shape[2], segment_bounds)
+        # A step whose sequences each add one token decodes them side by side: its rows are decode steps (shapes only).
+        cu_seq_lens_q = cache_kwargs.get("cu_seq_lens_q")
+        decode_rows = isinstance(cu_seq_lens_q, torch.Tensor) and cu_seq_lens_q.shape[0] - 1 == query.shape[2]
     if segments is not None:
         key, value = key[:, :, : segments.key_ids.shape[1]], value[:, :, : segments.key_ids.shape[1]]
     per_row_sinks = sinks is not None and sinks.dim() > 1
@@ -209,7 +213,7 @@ def attention_forward(
             try:
                 output = flash_attention(
                     module, query, key, value, attention_mask, scaling, dropout, flags, sliding_window, is_causal,
-                    padded_prompt, segments, sinks, (window, chunk),
+                    padded_prompt, segments, sinks, (window, chunk), decode_rows,
                 )  # fmt: skip
                 if padding_queries is not None:
                     output = output.masked_fill(padding_queries, 0.0)
@@ -357,10 +361,13 @@ def flash_attention(
     segments: Segments | None,
     sinks: torch.Tensor | None = None,
     local: tuple[int | None, int | None] = (None, None),
+    decode_rows: bool = False,
 ) -> torch.Tensor:
     """Choose the kernel and its arguments for this call; returns `[B, H, q, Dv]`. `local`: the layer's window and
-    chunk, for a planned prompt longer than them."""
-    is_prefill = query.shape[2] > 1
+    chunk, for a planned prompt longer than them. `decode_rows`: a continuous-batching step of one new token per
+    sequence, whose query rows are decode steps (a step with a prompt chunk among them is a prefill: the kernel takes
+    one softmax mode per call)."""
+    is_prefill = query.shape[2] > 1 and not decode_rows
     dropout = dropout if module.training else 0.0
     # Recomputation trades compute for memory where there is memory to save: prefill and training.
     recompute = flags.flash_attention_recompute and (is_prefill or module.training)
