@@ -535,3 +535,29 @@ def test_explain_says_what_really_runs_here(tiny_checkpoint):
     beams = explain_text(tiny_checkpoint, "--torch_compile", "--torch_compile_backend", "eager", "--num_beams", "2")
     assert "prompt: one graph (torch.compile, eager)" in beams
     assert "decode step: runs eagerly (--num_beams 2: generate() compiles the decode step of greedy search" in beams
+
+
+@pytest.mark.parametrize("masks_from_config", [True, False], ids=["family's masks", "config's masks"])
+def test_explain_plans_a_static_cache_prompt_in_the_causal_mask_mode_where_generate_hands_the_2d_mask_on(
+    masks_from_config,
+):
+    """On Gaudi in the causal-mask mode generate() hands a static cache's padded prompt its 2-D mask (the decoder
+    plans valid lengths; a windowed layer longer than its window keeps the mask), unless the config's masks are not
+    the family's (tests/core/test_hpu_kernel.py runs it): --explain says the same."""
+    from optimum.habana.cli.generation.explain.calls import Phase, call_account
+    from optimum.habana.cli.generation.explain.layers import LayerGroup
+    from optimum.habana.transformers.attention_flags import AttentionFlags
+
+    flags = AttentionFlags(use_flash_attention=True, flash_attention_causal_mask=True)
+    prompt = Phase("prefill", 12, (20, 20), padded=True, from_empty_cache=True)  # a static cache of 20 slots
+    full, windowed = (LayerGroup((0,), window, None, 0.25, geometry=(4, 2, 16, 16, False)) for window in (None, 8))
+    device = torch.device("hpu")
+    accounts = [
+        call_account(flags, group, prompt, device, False, lambda *args, **kwargs: "FusedSDPA", masks_from_config)
+        for group in (full, windowed)
+    ]
+    if masks_from_config:
+        assert "attn_mask=None, is_causal=True, valid lengths per row" in accounts[0]
+        assert "(sliding window 8 < prompt: the mask keeps it; one warning)" in accounts[1]
+    else:
+        assert all("attn_mask=boolean [rows, 1, 12, kv] (additive), is_causal=False" in line for line in accounts)

@@ -21,7 +21,11 @@ from optimum.habana.cli.adapters import check_adapter_folder, check_adapter_matc
 from optimum.habana.kernels.cpu_decode import decode_kernel_expected
 from optimum.habana.kernels.dispatch import kernel_name
 from optimum.habana.transformers.attention_flags import AttentionFlags
-from optimum.habana.transformers.batch_layout import local_layers_run_planned, padding_mask_is_all_it_needs
+from optimum.habana.transformers.batch_layout import (
+    generation_masks_are_the_familys,
+    local_layers_run_planned,
+    padding_mask_is_all_it_needs,
+)
 from optimum.habana.transformers.continuous_batching import check_engine_serves
 from optimum.habana.transformers.models import family_problem, gaudi_model_class
 from optimum.habana.utils.gguf_parsing import parsed_once
@@ -107,6 +111,7 @@ def explain(arguments: ScriptArguments) -> str:
     lines += ["", "Attention calls:"]
     # A padded prompt's plan (batch_layout): every layer full attention, or, off Gaudi, windows and chunks too.
     prompt_plan = padding_mask_is_all_it_needs(config) or (device.type != "hpu" and local_layers_run_planned(config))
+    masks_from_config = generation_masks_are_the_familys(config)
     if engine:
         # The engine's eager decode steps on CPU read the paged cache on the decode kernel (kernels/cpu_decode.py).
         paged_kernel = device.type == "cpu" and not arguments.execution.torch_compile and decode_kernel_expected(dtype)
@@ -125,7 +130,7 @@ def explain(arguments: ScriptArguments) -> str:
             f"{', padded rows' if phase.padded else ''}):"
         )
         for group in groups:
-            account = call_account(flags, group, phase, device, prompt_plan, kernel)
+            account = call_account(flags, group, phase, device, prompt_plan, kernel, masks_from_config)
             lines.append(f"    {group.label}: {account}")
     if others := other_layer_kinds(config):
         lines.append(f"  other layers: {', '.join(others)}: no softmax attention, the flag leaves them to the model")

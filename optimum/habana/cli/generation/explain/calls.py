@@ -106,9 +106,12 @@ def call_account(
     device: torch.device,
     model_mask_free: bool,
     kernel: Callable[..., str],
+    masks_from_config: bool = True,
 ) -> str:
     """The path of this group's calls in this phase, and the arguments the kernel gets (`kernel`: `kernel_account`
-    with the run's device, dtype and rows, which names the kernel and the transforms before it)."""
+    with the run's device, dtype and rows, which names the kernel and the transforms before it). `masks_from_config`:
+    generate() builds a static cache's masks as the family does (`generation_masks_are_the_familys`), so it may hand
+    the decoder the prompt's 2-D mask to plan instead."""
     is_prefill = phase.q_len > 1
     mask_skipped = mask_is_skipped(group, phase)
     mask = "None" if mask_skipped else f"boolean [rows, 1, {phase.q_len}, kv]"
@@ -119,22 +122,20 @@ def call_account(
             why = f" (soft-capped logits, softcap={group.softcap}: no fused kernel computes them; one warning)"
         causal = ", causal" if mask_skipped and is_prefill else ""
         return f"default path{why}: matmul-softmax, softmax in {softmax}, mask {mask}{causal}, scale {group.scaling:g}"
-    # The decoder plans a padded prompt from an empty cache once (batch_layout): without a mask where no layer needs
-    # more than the padding and the device's kernel does not read the mask, whatever the cache (generate() keeps the
-    # 2-D mask for it); with the causal-mask mode also elsewhere, where its 2-D mask reaches the decoder (a dynamic
-    # cache; a static one gets 4-D masks from generate()).
+    # The decoder plans a padded prompt from an empty cache once (batch_layout) where its 2-D mask reaches it (a
+    # dynamic cache or none; a static one where generate() builds the family's masks, as it then hands the 2-D mask
+    # on): without a mask where no layer needs more than the padding and the device's kernel does not read the mask;
+    # in the causal-mask mode whatever the layers.
     no_cache_step = phase.name != "prefill"  # without a KV cache every step is a prefill from empty
-    dynamic_prefill = (
-        is_prefill and phase.from_empty_cache and (no_cache_step or phase.kv_lengths == (phase.q_len, phase.q_len))
-    )
+    dynamic_prefill = no_cache_step or phase.kv_lengths == (phase.q_len, phase.q_len)
+    two_d_mask = is_prefill and phase.from_empty_cache and (dynamic_prefill or masks_from_config)
     mask_free = (
         phase.padded
-        and is_prefill
-        and phase.from_empty_cache
+        and two_d_mask
         and model_mask_free
         and not (device.type == "hpu" and not flags.flash_attention_causal_mask)
     )
-    planned = mask_free or (dynamic_prefill and flags.flash_attention_causal_mask)
+    planned = mask_free or (two_d_mask and flags.flash_attention_causal_mask)
     window = group.sliding_window if group.sliding_window is not None and phase.q_len > group.sliding_window else None
     chunk = group.chunk if group.chunk is not None and phase.q_len > group.chunk else None
     # Off Gaudi a planned prompt's local layer runs in windows or chunks (kernels/local_attention.py); on Gaudi, and
