@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 from huggingface_hub import ModelCard
-from transformers import LlamaForCausalLM
+from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
-from optimum.habana import GaudiLlamaForCausalLM, gaudi_attention_forward
+from optimum.habana import GaudiLlamaForCausalLM, adapt_transformers_to_gaudi, gaudi_attention_forward
 from optimum.habana.kernels import dispatch
 from tests.helpers import FUSED_KERNEL_CPU, count_attention_paths, left_padded_batch, tiny_llama_config
 
@@ -159,6 +159,40 @@ def test_building_a_gaudi_model_leaves_the_callers_config_alone(inputs, monkeypa
     with count_attention_paths(monkeypatch) as counts:
         stock(**inputs)
     assert counts["fused"] == counts["default"] == 0
+
+
+def test_from_config_leaves_the_callers_config_alone_too():
+    """transformers' `_from_config` writes the dtype and the attention choice into the config it is given (stock's
+    does): a Gaudi model's works on a copy, as its constructor does."""
+    config = tiny_llama_config()
+    GaudiLlamaForCausalLM._from_config(config, attn_implementation="eager", dtype=torch.bfloat16)
+    assert config._attn_implementation is None and config.dtype is None
+
+
+@pytest.mark.parametrize(
+    "rebuild",
+    [
+        lambda config: GaudiLlamaForCausalLM(config),
+        lambda config: GaudiLlamaForCausalLM._from_config(config),
+        lambda config: AutoModelForCausalLM.from_config(config),  # after adapt_transformers_to_gaudi()
+    ],
+    ids=["constructor", "_from_config", "AutoModelForCausalLM.from_config"],
+)
+def test_a_model_built_from_a_built_models_config_is_built_the_same_way(rebuild):
+    """A build with nothing chosen fills in stock's name ("sdpa"), which, chosen by a user, turns the flag on: the
+    next model built from that config (a reference model, a model_init) once ran the fused kernel where the first
+    ran the default path. A choice made on the model, or given to the rebuild, still counts."""
+    adapt_transformers_to_gaudi()
+    first = GaudiLlamaForCausalLM(tiny_llama_config())
+    again = rebuild(first.config)
+    assert type(again) is GaudiLlamaForCausalLM and again.config._attn_implementation == "sdpa"
+    assert again.generation_config.use_flash_attention is first.generation_config.use_flash_attention is None
+    first.set_attn_implementation("sdpa")  # chosen now: the flag follows it, and so does a rebuild
+    assert rebuild(first.config).generation_config.use_flash_attention is True
+    chosen = GaudiLlamaForCausalLM._from_config(
+        GaudiLlamaForCausalLM(tiny_llama_config()).config, attn_implementation="sdpa"
+    )
+    assert chosen.generation_config.use_flash_attention is True
 
 
 def test_flag_values_are_checked_when_reached_through_the_registration_alone(inputs):

@@ -19,6 +19,7 @@ import functools
 import inspect
 import json
 import os
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +65,10 @@ from .latent_attention import keep_latent_compressed
 # (None: leave it to the generation config).
 # generate() keyword arguments that its decoding loop reads and that stock generate() passes on to forward.
 GENERATION_ONLY_KWARGS = ("tokenizer", "assistant_tokenizer")
+
+# The configs of built Gaudi models whose attention name is stock's choice, filled in by the build (configs compare
+# by value, so they are kept by identity; an entry leaves with its config).
+_FILLED_IN_CONFIGS: weakref.WeakValueDictionary[int, PreTrainedConfig] = weakref.WeakValueDictionary()
 
 ATTENTION_IMPLEMENTATIONS: dict[str, bool | None] = {
     ATTENTION_IMPLEMENTATION: None,
@@ -123,8 +128,7 @@ class GaudiAttentionMixin(GaudiGenerationMixin):
         cls.forward = forward
 
     def __init__(self, config: PreTrainedConfig, *args: Any, **kwargs: Any) -> None:
-        # A copy: the attention choice written below must not leak into a stock model built from the same object.
-        config = copy.deepcopy(config)
+        config = _own_copy(config)
         # The stock decoder inside checks its config's name itself, and refuses any name containing "sdpa" where stock
         # SDPA cannot take the family's attention (gpt-oss's sinks): the Gaudi attention can, so the decoders are built
         # under the name "gaudi" and the fused name is put back, the flag following it as the outer check recorded.
@@ -148,6 +152,13 @@ class GaudiAttentionMixin(GaudiGenerationMixin):
         decoder = functools.reduce(getattr, path, self) if path else self.base_model
         decoder.register_forward_pre_hook(functools.partial(prepare_decoder_call, view), with_kwargs=True)
         self._apply_attn_implementation_default()
+        if not self.__dict__.get("_attn_implementation_chosen"):
+            _FILLED_IN_CONFIGS[id(self.config)] = self.config
+
+    @classmethod
+    def _from_config(cls, config: PreTrainedConfig, **kwargs: Any) -> "GaudiAttentionMixin":
+        """Stock's, on a copy: transformers writes the dtype and the attention choice into the config it is given."""
+        return super()._from_config(_own_copy(config), **kwargs)
 
     @property
     def generation_config(self) -> GenerationConfig | None:
@@ -223,6 +234,7 @@ class GaudiAttentionMixin(GaudiGenerationMixin):
             return
         super().set_attn_implementation(attn_implementation, **kwargs)
         self.__dict__["_attn_implementation_chosen"] = True  # also when it names the current one
+        _FILLED_IN_CONFIGS.pop(id(self.config), None)
         self._apply_attn_implementation_default()
 
     @torch.no_grad()
@@ -419,6 +431,18 @@ def _stock_class(gaudi_class: type) -> type[PreTrainedModel]:
         if issubclass(candidate, PreTrainedModel) and not issubclass(candidate, GaudiAttentionMixin):
             return candidate
     raise TypeError(f"{gaudi_class.__name__} mixes GaudiAttentionMixin into no transformers model class.")
+
+
+def _own_copy(config: PreTrainedConfig) -> PreTrainedConfig:
+    """The config a build writes into: a copy, so that no choice written there leaks into the caller's object (a stock
+    model built from it). A config a Gaudi build filled in with stock's choice (nothing was chosen) builds the next
+    model as it built that one: stock's name on it is no choice of the user's, which would turn the flag on ("sdpa")."""
+    filled_in = _FILLED_IN_CONFIGS.get(id(config)) is config
+    config = copy.deepcopy(config)
+    if filled_in:
+        for named in _configs_naming(config, config._attn_implementation_internal):
+            named._attn_implementation_internal = None
+    return config
 
 
 def _is_own_class(cls: type) -> bool:
