@@ -35,6 +35,7 @@ from optimum.habana.cli.generation.explain import (
     kernel_account,
     meta_model,
 )
+from optimum.habana.cli.generation.explain.layers import softcap_fallback
 from optimum.habana.transformers.context_parallel import key_value_replication
 from optimum.habana.utils import distributed
 from optimum.habana.utils.distributed import LaunchEnvironment
@@ -220,10 +221,7 @@ def explain_training(
         if not use_flash_attention:
             attention = "the default matmul-softmax attention (use_flash_attention off)"
         elif group.softcap is not None:  # as the attention decides it (`fused_path_refusal`)
-            attention = (
-                f"the default matmul-softmax attention (soft-capped logits, softcap={group.softcap}: no fused kernel "
-                "computes them; one warning)"
-            )
+            attention = f"the default matmul-softmax attention ({softcap_fallback(group.softcap)}; one warning)"
         else:
             attention = kernel_account(group, phase, device, dtype, 1, masked=False, compiled=False)
         lines.append(

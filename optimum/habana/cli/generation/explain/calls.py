@@ -11,7 +11,7 @@ from optimum.habana.kernels.latent import absorbs
 from optimum.habana.transformers.attention_flags import AttentionFlags
 from optimum.habana.transformers.cache import bucketed_length
 
-from .layers import LayerGroup
+from .layers import LayerGroup, softcap_fallback
 
 
 @dataclass(frozen=True)
@@ -119,7 +119,7 @@ def call_account(
         softmax = "model dtype" if flags.attn_softmax_bf16 else "float32"
         why = ""
         if flags.use_flash_attention:
-            why = f" (soft-capped logits, softcap={group.softcap}: no fused kernel computes them; one warning)"
+            why = f" ({softcap_fallback(group.softcap)}; one warning)"
         causal = ", causal" if mask_skipped and is_prefill else ""
         return f"default path{why}: matmul-softmax, softmax in {softmax}, mask {mask}{causal}, scale {group.scaling:g}"
     # The decoder plans a padded prompt from an empty cache once (batch_layout) where its 2-D mask reaches it (a

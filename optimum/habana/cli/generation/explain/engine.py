@@ -11,10 +11,11 @@ from optimum.habana.transformers.attention_flags import AttentionFlags
 from optimum.habana.transformers.batch_layout import local_layers_run_planned
 from optimum.habana.transformers.continuous_batching import steps_run_mask_free
 
+from .layers import SINKS_VARIANT, softcap_fallback
+
 
 PAGED_ENTRY = "the CPU decode kernel's paged entry (optimum.habana.kernels.cpu_decode)"
 GATHERED = "the keys gathered from its pages"
-SINKS_VARIANT = "attention sinks: one more logit in each row's softmax"  # a layer group's variant (layers.py)
 
 
 def engine_call_accounts(
@@ -45,11 +46,7 @@ def engine_call_accounts(
 def default_path(flags: AttentionFlags, group) -> str | None:
     if flags.use_flash_attention and group.softcap is None:
         return None
-    why = (
-        f" (soft-capped logits, softcap={group.softcap}: no fused kernel computes them)"
-        if flags.use_flash_attention
-        else ""
-    )
+    why = f" ({softcap_fallback(group.softcap)})" if flags.use_flash_attention else ""
     return (
         f"default path{why}: matmul-softmax over the engine's dense [step queries, cached tokens] mask and {GATHERED}"
     )
@@ -89,4 +86,4 @@ def decode_account(
     return f"fused kernel, {kernel}: the engine's dense mask, is_causal=False, over {GATHERED}"
 
 
-__all__ = ["PAGED_ENTRY", "SINKS_VARIANT", "engine_call_accounts"]
+__all__ = ["PAGED_ENTRY", "engine_call_accounts"]

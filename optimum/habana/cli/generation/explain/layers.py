@@ -8,7 +8,13 @@ import torch
 from optimum.habana.transformers.families.lookups import attention_modules_of, call_window
 from optimum.habana.transformers.latent_attention import receives_compressed_latent
 
-from .engine import SINKS_VARIANT
+
+SINKS_VARIANT = "attention sinks: one more logit in each row's softmax"  # a layer group's variant
+
+
+def softcap_fallback(softcap: float) -> str:
+    """Why a soft-capped layer's calls take the default path with the flag (`attention.fused_path_refusal`)."""
+    return f"soft-capped logits, softcap={softcap}: no fused kernel computes them"
 
 
 @dataclass(frozen=True)
@@ -111,4 +117,11 @@ def format_indices(indices: tuple[int, ...]) -> str:
     return ",".join(str(index) for index in indices)
 
 
-__all__ = ["LayerGroup", "attention_layer_groups", "format_indices", "other_layer_kinds"]
+__all__ = [
+    "SINKS_VARIANT",
+    "LayerGroup",
+    "attention_layer_groups",
+    "format_indices",
+    "other_layer_kinds",
+    "softcap_fallback",
+]
