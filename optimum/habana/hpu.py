@@ -32,7 +32,7 @@ class HPUKernel:
     takes_sinks: bool = False
 
 
-# What hpu_kernel() imports, in order, for the message that says which one is missing.
+# What hpu_kernel() imports, in order; `missing_kernel` names the first one missing.
 KERNEL_IMPORTS = (
     ("habana_frameworks.torch.hpu", "sdp_kernel"),
     ("habana_frameworks.torch.hpex.kernels", "FusedSDPA"),
@@ -58,9 +58,8 @@ def missing_kernel() -> str:
 def hpu_kernel() -> HPUKernel | None:
     """Import FusedSDPA once, and read which argument list the installed Gaudi software takes."""
     try:
-        from habana_frameworks.torch.hpex.kernels import FusedSDPA
-        from habana_frameworks.torch.hpu import sdp_kernel
-    except ImportError:
+        sdp_kernel, FusedSDPA = (getattr(importlib.import_module(module), name) for module, name in KERNEL_IMPORTS)
+    except (ImportError, AttributeError):  # `missing_kernel` says which
         return None
     parameters = inspect.signature(FusedSDPA.forward).parameters
     if "recompute_mode" in parameters:
