@@ -5,8 +5,10 @@ import json
 import re
 
 import pytest
+from transformers import AutoModelForCausalLM, Qwen3Config
 
 from optimum.habana.cli import families
+from optimum.habana.transformers.families import reports
 from tests.helpers import ROOT
 
 
@@ -58,31 +60,72 @@ DAMAGES = {
 }
 
 
-@pytest.mark.parametrize("damage", list(DAMAGES))
-def test_a_damaged_family_table_is_worked_out_again(damage, tmp_path, monkeypatch):
-    """Any content the stored table cannot be read from is replaced by the table worked out again, in the same call:
-    never a traceback, never a half-read report."""
-    from optimum.habana.transformers.models import registry
+@pytest.fixture
+def kept_in(tmp_path, monkeypatch):
+    """A cache folder of the test's own, each stored answer of `reports` forgotten before and after."""
     from optimum.habana.utils.model_loading import CACHE_ENV_VAR
 
     monkeypatch.setenv(CACHE_ENV_VAR, str(tmp_path))
-    monkeypatch.setattr(registry, "causal_lm_model_types", lambda: ("llama",))
-    registry._family_table.cache_clear()
-    try:
-        good = registry.family_table()
-        (path,) = (tmp_path / "families").glob("*.json")
-        stored = json.loads(path.read_text(encoding="utf-8"))
-        text = DAMAGES[damage]
-        if text in ("qualifies", "variants", "reason", "model_type"):
-            damaged = json.loads(json.dumps(stored))
-            if text == "reason":
-                del damaged["llama"]["reason"]
-            else:
-                damaged["llama"][text] = {"qualifies": "yes", "variants": [1, 2], "model_type": "gpt_oss"}[text]
-            text = json.dumps(damaged)
-        path.write_text(text, encoding="utf-8")
-        registry._family_table.cache_clear()
-        assert registry.family_table() == good
-        assert json.loads(path.read_text(encoding="utf-8")) == stored  # rewritten whole
-    finally:
-        registry._family_table.cache_clear()
+    caches = (reports._family_table, reports._kept_table, reports.family_report, reports._fingerprint)
+    for cache in caches:
+        cache.cache_clear()
+    yield tmp_path
+    for cache in caches:
+        cache.cache_clear()
+
+
+def forget(*caches) -> None:
+    for cache in caches:
+        cache.cache_clear()
+
+
+@pytest.mark.parametrize("damage", list(DAMAGES))
+def test_a_damaged_family_table_is_worked_out_again(damage, kept_in, monkeypatch):
+    """Any content the stored table cannot be read from is replaced by the table worked out again, in the same call:
+    never a traceback, never a half-read report."""
+    monkeypatch.setattr(reports, "causal_lm_model_types", lambda: ("llama",))
+    good = reports.family_table()
+    (path,) = (kept_in / "families").glob("*.json")
+    stored = json.loads(path.read_text(encoding="utf-8"))
+    text = DAMAGES[damage]
+    if text in ("qualifies", "variants", "reason", "model_type"):
+        damaged = json.loads(json.dumps(stored))
+        if text == "reason":
+            del damaged["llama"]["reason"]
+        else:
+            damaged["llama"][text] = {"qualifies": "yes", "variants": [1, 2], "model_type": "gpt_oss"}[text]
+        text = json.dumps(damaged)
+    path.write_text(text, encoding="utf-8")
+    forget(reports._family_table, reports._kept_table, reports.family_report)
+    assert reports.family_table() == good
+    assert json.loads(path.read_text(encoding="utf-8")) == stored  # rewritten whole
+
+
+def test_a_kept_table_answers_without_reading_any_familys_code(kept_in, monkeypatch):
+    """`adapt_transformers_to_gaudi()` asked every family's code on every start (7 s on two cores); with the table kept,
+    no report is worked out again, and each is the one worked out."""
+    from optimum.habana.transformers.models import registry
+
+    worked_out = reports.family_table()
+    forget(reports._family_table, reports._kept_table, reports.family_report)
+
+    def judge_family(model_type):
+        raise AssertionError(f"{model_type!r} was worked out again")
+
+    monkeypatch.setattr(reports, "judge_family", judge_family)
+    assert {model_type: reports.family_report(model_type) for model_type in worked_out} == worked_out
+    registry.adapt_transformers_to_gaudi()
+    assert AutoModelForCausalLM._model_mapping[Qwen3Config] is registry.gaudi_model_class("qwen3")
+
+
+def test_a_table_kept_for_other_code_is_not_read(kept_in, monkeypatch):
+    """Another transformers (or other rules) gets a table of its own: a report is never read from a stale table."""
+    reports.family_table()
+    monkeypatch.setattr(reports.transformers, "__version__", "0.0.0")
+    forget(reports._family_table, reports._kept_table, reports.family_report, reports._fingerprint)
+    worked_out = []
+    judge = reports.judge_family
+    monkeypatch.setattr(reports, "judge_family", lambda model_type: worked_out.append(model_type) or judge(model_type))
+    assert reports.family_report("qwen3").qualifies
+    assert worked_out == ["qwen3"]
+    assert len(list((kept_in / "families").glob("*.json"))) == 1  # the first table stays; this one is not kept yet

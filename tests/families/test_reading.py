@@ -22,7 +22,7 @@ from optimum.habana.transformers.families.branches import forwards_kwargs_to
 from optimum.habana.transformers.families.cache_facts import computes_with_cached_states, writes_cache_at_own_index
 from optimum.habana.transformers.families.lookups import family_runs_mask_free
 from optimum.habana.transformers.families.mask_facts import MASK_BUILDERS, mask_uses
-from optimum.habana.transformers.families.qualification import causal_lm_model_types, family_report
+from optimum.habana.transformers.families.qualification import causal_lm_model_types, judge_family
 from optimum.habana.transformers.families.source_facts import decoder_path
 from optimum.habana.transformers.models import family_problem
 
@@ -212,14 +212,14 @@ def test_the_decoder_is_the_module_handed_the_attention_mask_whatever_the_prefix
 def test_llama4_runs_mask_free(model_type):
     """Only its attention reads the masks its decoder builds: a reading that looked the decoder up under the base
     model's prefix ("language_model", the multimodal model's attribute) found none and said otherwise."""
-    assert family_report(model_type).mask_free
+    assert judge_family(model_type).mask_free
 
 
 @pytest.mark.parametrize("model_type", ["deepseek_v4", "nemotron_h", "inkling2_text", "opt"])
 def test_families_refused_by_the_old_reading_qualify(model_type):
     """Refused as "calls the attention without the call's keyword arguments" by a reading that counted method calls
     on an attention call's result (and an MLP branch's call) as calls of the attention."""
-    report = family_report(model_type)
+    report = judge_family(model_type)
     assert report.qualifies, report.reason
 
 
@@ -233,7 +233,7 @@ def test_families_the_reading_did_not_follow_qualify(model_type, attention):
     constructor's annotated parameter): the reading found no attention and said it bypassed the interface. Moshi's
     causal LM shares its config (and its audio sub-config) with the audio model and builds only the text stack: it was
     read as multimodal. Both run fused with stock's logits (test_every_family)."""
-    report = family_report(model_type)
+    report = judge_family(model_type)
     assert report.qualifies, report.reason
     assert report.attention_classes == attention
 
@@ -241,7 +241,7 @@ def test_families_the_reading_did_not_follow_qualify(model_type, attention):
 def test_a_drafter_built_from_any_text_config_is_not_called_a_state_space_model():
     """Gemma 4's assistant builds its language model from its text config at run time (AutoModel), which the reading
     cannot follow: it was said to have no attention layer."""
-    reason = family_report("gemma4_assistant").reason
+    reason = judge_family("gemma4_assistant").reason
     assert (
         reason
         == "its language model is built at run time from its text config, of any model type: this reading cannot follow it"
@@ -254,7 +254,7 @@ def test_emu3s_config_model_type_reads_as_emu3():
     question is asked with it. Read as no causal LM, it planned no padded prompt mask-free, refused context parallelism
     ("reads the attention mask outside its attention") and had no Gaudi class for a stock checkpoint."""
     assert gaudi_model_class("emu3").config_class.model_type == "emu3_text_model"
-    assert family_report("emu3_text_model") == family_report("emu3")
+    assert judge_family("emu3_text_model") == judge_family("emu3")
     assert family_runs_mask_free("emu3_text_model")
     assert family_problem("emu3_text_model") is None
     assert gaudi_model_class("emu3_text_model") is gaudi_model_class("emu3")
@@ -262,7 +262,7 @@ def test_emu3s_config_model_type_reads_as_emu3():
 
 @pytest.mark.parametrize("model_type", ["clip", "no_such_model"])
 def test_a_model_type_of_no_causal_lm_still_reads_as_none(model_type):
-    assert family_report(model_type).reason == "transformers maps no causal LM to this model type"
+    assert judge_family(model_type).reason == "transformers maps no causal LM to this model type"
 
 
 def without_model_type(report) -> dict:
@@ -276,14 +276,14 @@ def test_every_familys_config_model_type_reads_as_its_family():
     qwen3_5, qwen3_5_moe, qwen4_exp): that model type, the one its models' configs carry, gets the family's report."""
     differing = {}
     for model_type in causal_lm_model_types():
-        report = family_report(model_type)
+        report = judge_family(model_type)
         try:
             config_type = getattr(transformers, report.class_name).config_class.model_type
         except (ImportError, AttributeError):
             continue  # its code cannot be imported here: the report says so
         if config_type != model_type:
             differing[model_type] = config_type
-            assert without_model_type(family_report(config_type)) == without_model_type(report), model_type
+            assert without_model_type(judge_family(config_type)) == without_model_type(report), model_type
             assert family_runs_mask_free(config_type) == report.mask_free, model_type
     assert differing["emu3"] == "emu3_text_model" and differing["llama4"] == "llama4_text"
 
@@ -379,7 +379,7 @@ def test_a_class_read_from_its_own_lines_is_the_class_the_whole_file_gives(famil
 def test_an_encoder_decoder_model_types_decoder_is_refused_for_what_its_code_does(model_type, reason):
     """Not for the config's `is_encoder_decoder`: the decoder's own layers decide (MusicGen Melody's has no
     cross-attention, and is read on like any decoder, below)."""
-    assert family_report(model_type).reason.startswith(reason)
+    assert judge_family(model_type).reason.startswith(reason)
 
 
 class DropsGenerationKwargs(transformers.LlamaForCausalLM):
@@ -405,7 +405,7 @@ def test_a_prepare_inputs_for_generation_that_names_its_inputs_only_is_read_as_d
     assert source_facts.drops_generation_kwargs(HandsGenerationKwargsOn) is None
     assert source_facts.drops_generation_kwargs(NamesEveryInput) is None
     assert source_facts.drops_generation_kwargs(transformers.LlamaForCausalLM) is None  # GenerationMixin's own
-    report = family_report("musicgen_melody")
+    report = judge_family("musicgen_melody")
     assert not report.qualifies and report.reason == (
         "MusicgenMelodyForCausalLM.prepare_inputs_for_generation hands each step only the inputs it names (its "
         "**kwargs go nowhere), so the flags given to generate() cannot reach the attention"

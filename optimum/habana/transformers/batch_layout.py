@@ -30,7 +30,8 @@ from transformers.utils.import_utils import is_tracing
 from ..kernels.dispatch import host_reads_allowed, needs_padding_mask, on_hpu, warn_once
 from ..kernels.variable_length import PaddedPrompt, PromptPaddingSide, Segment, Segments
 from .families.lookups import family_runs_mask_free, sequential_layers
-from .families.qualification import ALTERNATING, CHUNKED, WINDOW, family_report
+from .families.qualification import ALTERNATING, CHUNKED, WINDOW
+from .families.reports import family_report
 
 
 PADDING_SIDES = ("none", "left", "right", "any")

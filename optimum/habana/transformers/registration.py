@@ -25,7 +25,7 @@ from .attention import (
     AttentionConfigView,
     gaudi_attention_forward,
 )
-from .families.qualification import family_report
+from .families.reports import family_report
 
 
 def fused_attention_forward(module: nn.Module, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:

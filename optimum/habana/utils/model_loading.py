@@ -352,7 +352,7 @@ def check_gguf_file(gguf_path: Path) -> None:
     convert or whose family the Gaudi attention cannot serve."""
     from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
 
-    from ..transformers.families.qualification import family_report
+    from ..transformers.families.reports import family_report
 
     architecture = gguf_architecture(gguf_path)
     model_type = GGUF_MODEL_TYPES.get(architecture, architecture)

@@ -19,7 +19,7 @@ from torch import nn
 from transformers import CONFIG_MAPPING, AttentionInterface, AutoConfig, AutoModelForCausalLM, PreTrainedConfig
 from transformers.masking_utils import AttentionMaskInterface
 
-from optimum.habana.transformers.families.qualification import family_report
+from optimum.habana.transformers.families.reports import family_report
 from optimum.habana.transformers.models import gaudi_model_class
 from optimum.habana.utils.model_loading import DEFAULT_MODEL_NAME, ModelResolutionError, resolve_model
 

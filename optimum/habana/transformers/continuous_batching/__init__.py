@@ -40,7 +40,8 @@ from ..attention_flags import attention_flags_of
 from ..batch_layout import padding_mask_is_all_it_needs
 from ..families.cache_facts import computes_with_cached_states, writes_cache_at_own_index
 from ..families.lookups import attention_modules_of
-from ..families.qualification import LATENT, family_report
+from ..families.qualification import LATENT
+from ..families.reports import family_report
 from .capacity import cache_geometry, cached_tokens
 from .failed_steps import StepIsolation
 

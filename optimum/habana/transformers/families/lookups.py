@@ -3,7 +3,8 @@ them cheaply, also while torch.compile traces it (a Gaudi model asks once when i
 
 from typing import Any
 
-from .qualification import ALTERNATING, NON_ATTENTION_LAYERS, WINDOW, family_report
+from .qualification import ALTERNATING, NON_ATTENTION_LAYERS, WINDOW
+from .reports import family_report
 
 
 # Layer kinds whose state runs along the sequence (state-space, linear attention, convolutions): they see no example

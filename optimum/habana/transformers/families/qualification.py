@@ -135,7 +135,7 @@ def causal_lm_model_types() -> tuple[str, ...]:
 
 
 @functools.cache
-def family_report(model_type: str) -> FamilyReport:
+def judge_family(model_type: str) -> FamilyReport:
     """Decide whether `model_type` qualifies; see the module docstring. Imports the family's modeling code only.
 
     A model's `config.model_type` is its causal LM's config class's, which is not always a family's: a model type
@@ -144,7 +144,7 @@ def family_report(model_type: str) -> FamilyReport:
     if class_name is None:
         family = causal_lm_family(model_type)
         if family is not None:
-            return family_report(family)
+            return judge_family(family)
         return FamilyReport(model_type, "", False, "transformers maps no causal LM to this model type")
     try:
         stock = getattr(importlib.import_module("transformers"), class_name)
@@ -459,10 +459,6 @@ def _decoder_class(stock: type, edges: dict[type, list[tuple[str, type]]]) -> ty
     return decoder
 
 
-def qualifying_model_types() -> tuple[str, ...]:
-    return tuple(model_type for model_type in causal_lm_model_types() if family_report(model_type).qualifies)
-
-
 __all__ = [
     "HONOURED_ARGUMENTS",
     "FUSED_PATHS",
@@ -470,7 +466,6 @@ __all__ = [
     "causal_lm_family",
     "causal_lm_model_types",
     "default_config",
-    "family_report",
-    "qualifying_model_types",
+    "judge_family",
     "transformers",
 ]

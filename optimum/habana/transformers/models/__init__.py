@@ -1,7 +1,8 @@
 """The Gaudi causal LMs: the 14 written classes, and one made from transformers' own class for every other family
 whose attention qualifies (`registry`; the rules are `families/qualification.py`)."""
 
-from ..families.qualification import FamilyReport, family_report
+from ..families.qualification import FamilyReport
+from ..families.reports import family_report
 from .modeling_causal_lm import (
     GAUDI_CAUSAL_LM_CLASSES,
     GaudiGemma2ForCausalLM,

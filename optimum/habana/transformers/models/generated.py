@@ -10,7 +10,8 @@ from typing import Any
 
 import transformers
 
-from ..families.qualification import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, family_report
+from ..families.qualification import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+from ..families.reports import family_report
 from ..modeling_utils import GaudiAttentionMixin
 from .modeling_causal_lm import GAUDI_CAUSAL_LM_CLASSES
 
