@@ -106,6 +106,7 @@ def test_a_kept_table_answers_without_reading_any_familys_code(kept_in, monkeypa
     no report is worked out again, and each is the one worked out."""
     from optimum.habana.transformers.models import registry
 
+    monkeypatch.setattr(reports, "causal_lm_model_types", lambda: ("llama", "qwen3", "stablelm"))  # a few: seconds
     worked_out = reports.family_table()
     forget(reports._family_table, reports._kept_table, reports.family_report)
 
@@ -113,6 +114,8 @@ def test_a_kept_table_answers_without_reading_any_familys_code(kept_in, monkeypa
         raise AssertionError(f"{model_type!r} was worked out again")
 
     monkeypatch.setattr(reports, "judge_family", judge_family)
+    mapping = AutoModelForCausalLM._model_mapping
+    monkeypatch.setattr(mapping, "_extra_content", dict(mapping._extra_content))  # registered for this test only
     assert {model_type: reports.family_report(model_type) for model_type in worked_out} == worked_out
     registry.adapt_transformers_to_gaudi()
     assert AutoModelForCausalLM._model_mapping[Qwen3Config] is registry.gaudi_model_class("qwen3")
@@ -120,6 +123,7 @@ def test_a_kept_table_answers_without_reading_any_familys_code(kept_in, monkeypa
 
 def test_a_table_kept_for_other_code_is_not_read(kept_in, monkeypatch):
     """Another transformers (or other rules) gets a table of its own: a report is never read from a stale table."""
+    monkeypatch.setattr(reports, "causal_lm_model_types", lambda: ("llama", "qwen3"))
     reports.family_table()
     monkeypatch.setattr(reports.transformers, "__version__", "0.0.0")
     forget(reports._family_table, reports._kept_table, reports.family_report, reports._fingerprint)
