@@ -36,7 +36,12 @@ from optimum.habana.cli.generation.arguments import (
 from optimum.habana.cli.generation.capture import capture, compile_backend, describe_compilation, is_captured
 from optimum.habana.cli.generation.continuous_batching import tokenize_requests
 from optimum.habana.cli.generation.explain import explain
-from optimum.habana.cli.generation.generation_config import KVCacheSupply, build_generation_config, kv_cache_layout
+from optimum.habana.cli.generation.generation_config import (
+    KVCacheSupply,
+    build_generation_config,
+    check_static_cache,
+    kv_cache_layout,
+)
 from optimum.habana.cli.generation.prompts import (
     check_sequence_length,
     prompt_pool,
@@ -125,6 +130,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             check_sequence_length(workload.max_input_tokens, workload.max_new_tokens, max_positions, fixed=True)
         if execution.continuous_batching:
             check_engine_serves(model, remedy=continuous_batching.ENGINE_REFUSAL_REMEDY)
+        else:
+            check_static_cache(arguments, kv_cache_layout(arguments, device), model.config, device)
         if arguments.model.peft_model:
             start = time.perf_counter()
             model = apply_peft_adapter(model, arguments.model.peft_model)

@@ -447,3 +447,27 @@ def test_continuous_batching_decode_steps_stay_exact_and_keep_no_probabilities(m
         (call.query.shape[2], call.arguments["softmax_mode"], call.arguments["recompute_mode"]) for call in state.calls
     ]
     assert calls == [(15, "fast", True), (3, "None", False), (3, "None", False), (3, "None", False)]
+
+
+def test_a_family_without_a_static_cache_keeps_the_dynamic_one_on_gaudi_with_one_warning(monkeypatch):
+    """On Gaudi generate() builds a bucketed static cache; transformers builds no static cache for DeepSeek V4 (its
+    compressed layers have no static kind), where the replacement failed with a KeyError from inside transformers and
+    stock's class generated. It now keeps the dynamic cache, says so once, and every step's logits are stock's."""
+    from tests.families.support import assert_same_steps, family_pair
+    from tests.families.support import greedy as greedy_steps
+
+    ours, stock = family_pair("deepseek_v4")
+    inputs = left_padded_batch([7, 5, 6], seed=7)
+    gaudi(monkeypatch, "1.18-sinks")
+    dispatch.warn_once.cache_clear()
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        steps = greedy_steps(ours, inputs, use_flash_attention=True)
+    monkeypatch.undo()
+    assert_same_steps(steps, greedy_steps(stock, inputs))
+    said = [str(warning.message) for warning in record if "no static KV cache" in str(warning.message)]
+    assert said == [
+        "transformers has no static KV cache for deepseek_v4 models (no static layer for their "
+        "'compressed_sparse_attention', 'heavily_compressed_attention' layers): generate() keeps the dynamic cache "
+        "on Gaudi, one graph per decode step's shape."
+    ]

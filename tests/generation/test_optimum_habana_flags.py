@@ -470,6 +470,74 @@ def test_explain_on_a_soft_capping_family_names_the_fallback(tmp_path):
     assert "soft-capped logits" in text and "fused kernel," not in text.split("Flags:")[0]
 
 
+def explained_key_lengths(text: str) -> dict[tuple[int, str], str]:
+    """--explain's key lengths per (layer, phase), from its phase line or, where its groups differ, each group's."""
+    lengths, phase, shared = {}, None, None
+    for line in text.split("Attention calls:")[1].split("Graphs:")[0].splitlines():
+        if heading := re.match(r"  (prefill|decode)[^(]*\(q=\d+(?:, kv=([\d.]+))?", line):
+            phase, shared = heading.groups()
+        elif group := re.match(r"    layers ([\d,\-]+)(?: \(.*?\))?: (?:kv=([\d.]+): )?", line):
+            for part in group.group(1).split(","):
+                first, _, last = part.partition("-")
+                for layer in range(int(first), int(last or first) + 1):
+                    lengths[layer, phase] = group.group(2) or shared
+    return lengths
+
+
+@pytest.mark.parametrize(
+    "extra", [[], ["--static_shapes"], ["--bucket_size", "8"]], ids=["dynamic", "static", "buckets"]
+)
+def test_explain_says_how_many_keys_each_layer_reads(script, tmp_path, monkeypatch, extra):
+    """gpt-oss alternates windows of 8 with full layers: its windowed layers read 8 keys a decode step, its full ones
+    the filled slots (generate()'s static cache is bucketed over them, and holds prompt + new tokens - 1). The
+    account once gave every layer the cache's whole length, whatever the layer and the cache."""
+    from transformers import AttentionInterface
+
+    checkpoint = save_tiny_checkpoint(tmp_path / "gpt_oss", model_type="gpt_oss")
+    config = json.loads((checkpoint / "config.json").read_text())
+    (checkpoint / "config.json").write_text(json.dumps({**config, "sliding_window": 8}))
+    argv = tiny_argv(checkpoint, "--use_flash_attention", "--max_new_tokens", "12", *extra)
+    explained = explained_key_lengths(explain(parse(argv)))
+    seen = {}
+    for name, attention_function in list(AttentionInterface._global_mapping.items()):
+
+        def recorded(module, query, key, *args, attend=attention_function, **kwargs):
+            phase = "prefill" if query.shape[2] > 1 else "decode"
+            seen.setdefault((module.layer_idx, phase), []).append(key.shape[2])
+            return attend(module, query, key, *args, **kwargs)
+
+        monkeypatch.setitem(AttentionInterface._global_mapping, name, recorded)
+    run_in_process(script, argv, tmp_path / "run")
+    real = {
+        key: f"{min(found)}..{max(found)}" if min(found) < max(found) else str(found[0]) for key, found in seen.items()
+    }
+    assert real == explained
+    assert real[0, "decode"] == "8" and real[1, "decode"] != "8"
+
+
+def test_explain_and_the_run_refuse_a_static_cache_transformers_cannot_build(script, tmp_path, capsys):
+    """DeepSeek V4's compressed layers have no static cache layer: --static_shapes failed with a KeyError from inside
+    transformers after the model loaded; both say so in one line, naming the flag."""
+    from tests.families.support import save_family_checkpoint
+    from tests.helpers import train_tiny_tokenizer
+
+    checkpoint = save_family_checkpoint(tmp_path, "deepseek_v4", train_tiny_tokenizer(chat_template=True))
+    argv = ["--model_name_or_path", str(checkpoint), "--max_new_tokens", "2", "--static_shapes"]
+    message = (
+        "--static_shapes: a static KV cache is needed, and transformers has no static KV cache for deepseek_v4 models "
+        "(no static layer for their 'compressed_sparse_attention', 'heavily_compressed_attention' layers). Run "
+        "without --static_shapes."
+    )
+    with pytest.raises(ValueError) as refused:
+        explain(parse(argv))
+    assert str(refused.value) == message
+    with pytest.raises(SystemExit) as exit_info:
+        script.main([*argv, "--output_dir", str(tmp_path / "out")])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "out" / "results.json").exists()
+
+
 def test_explain_refuses_what_a_real_run_refuses(script, tiny_checkpoint, tmp_path, capsys):
     """Every bad model, adapter or prompt input of the run's table, plus a model folder given as the adapter and a
     truncated .gguf: --explain exits 2 with the real run's message, and explains a good adapter."""

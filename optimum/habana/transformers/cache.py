@@ -20,8 +20,25 @@ import math
 
 import torch
 from transformers import PreTrainedConfig
-from transformers.cache_utils import StaticCache, StaticLayer, StaticSlidingWindowLayer
+from transformers.cache_utils import (
+    STATIC_LAYER_TYPE_MAPPING,
+    StaticCache,
+    StaticLayer,
+    StaticSlidingWindowLayer,
+    get_layer_types_and_kwargs,
+)
 from transformers.utils import is_torchdynamo_compiling
+
+
+def static_cache_problem(config: PreTrainedConfig) -> str | None:
+    """Why transformers builds no static cache for `config`'s model, in words that end a sentence; None where it
+    does. DeepSeek V4's compressed-attention layers have no static layer kind: `StaticCache` fails with a KeyError."""
+    layer_types, _ = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
+    missing = sorted(set(layer_types) - set(STATIC_LAYER_TYPE_MAPPING))
+    if not missing:
+        return None
+    kinds = ", ".join(repr(kind) for kind in missing)
+    return f"transformers has no static KV cache for {config.model_type} models (no static layer for their {kinds} layers)"
 
 
 def bucketed_length(tokens: int, bucket_size: int, max_cache_len: int) -> int:

@@ -13,7 +13,7 @@ from transformers import (
 from transformers.cache_utils import Cache, StaticCache
 
 from optimum.habana import hpu
-from optimum.habana.transformers.cache import BucketedStaticCache
+from optimum.habana.transformers.cache import BucketedStaticCache, static_cache_problem
 from optimum.habana.transformers.generation import GaudiGenerationConfig
 
 from .arguments import SAMPLING_ARGUMENTS, ScriptArguments
@@ -75,10 +75,12 @@ class CacheLayout:
     full_length_windows: bool = False
 
     def describe(self, max_cache_len: int) -> str:
+        """The cache in words where the run builds it (`KVCacheSupply`), or none; `--explain` words the ones
+        generate() builds itself from the cache object (`explain.keys.run_cache`)."""
         if self.kind == "none":
             return "none (--use_kv_cache False): every step recomputes the whole sequence"
         if self.kind == "dynamic":
-            return "dynamic: grows by one token per step (transformers' DynamicCache)"
+            return "dynamic: grows by one token per step (generate()'s own cache)"
         reuse = "allocated once and reused by every run" if self.reused else "allocated by every run"
         if self.kind == "static":
             return f"static: {max_cache_len} slots (prompt + --max_new_tokens), {reuse}"
@@ -106,6 +108,26 @@ def kv_cache_layout(arguments: ScriptArguments, device: torch.device) -> CacheLa
     if execution.static_shapes or execution.torch_compile or execution.reuse_cache or graphs:
         return CacheLayout("static", execution.reuse_cache, full_length_windows=on_gaudi)
     return CacheLayout("dynamic")
+
+
+def check_static_cache(arguments: ScriptArguments, layout: CacheLayout, config, device: torch.device) -> None:
+    """A ValueError naming the flags that ask for a static KV cache where transformers builds none for the family
+    (`StaticCache` would fail with a KeyError from inside transformers, after the model loaded)."""
+    problem = static_cache_problem(config) if layout.kind in ("static", "bucketed") else None
+    if problem is None:
+        return
+    execution = arguments.execution
+    asked = {
+        "--static_shapes": execution.static_shapes,
+        "--torch_compile": execution.torch_compile,
+        "--reuse_cache": execution.reuse_cache,
+        "--bucket_size": execution.bucket_size > 0,
+        "--use_hpu_graphs": execution.use_hpu_graphs and device.type == "hpu",
+    }
+    flags = [flag for flag, given in asked.items() if given]
+    raise ValueError(
+        f"{', '.join(flags)}: a static KV cache is needed, and {problem}. Run without {' or '.join(flags)}."
+    )
 
 
 class KVCacheSupply:

@@ -6,9 +6,9 @@ from typing import Any
 
 from transformers import DynamicCache, GenerationConfig, StaticCache, StoppingCriteriaList, StopStringCriteria
 
-from ...kernels.dispatch import needs_static_shapes
+from ...kernels.dispatch import needs_static_shapes, warn_once
 from ..attention_flags import ATTENTION_FLAG_NAMES, attention_flags_of, resolve_attention_flags
-from ..cache import BucketedStaticCache
+from ..cache import BucketedStaticCache, static_cache_problem
 from ..families.source_facts import drops_generation_kwargs
 from ..growing_cache import GrowingCache
 from .stop_strings import TailStopStringCriteria
@@ -16,6 +16,24 @@ from .stop_strings import TailStopStringCriteria
 
 # Tokens per bucket of a static cache whose shapes must stay static (compiled decode steps, Gaudi): one graph each.
 STATIC_SHAPES_BUCKET = 256
+
+
+def generation_cache(
+    config,
+    stock: type[DynamicCache] | type[StaticCache],
+    max_cache_length: int,
+    max_cache_len: int,
+    *,
+    static_shapes: bool,
+    compiled: bool,
+) -> GrowingCache | BucketedStaticCache:
+    """The cache generate() builds in place of transformers' `stock` one (`_prepare_cache_for_generation`): growing to
+    the `max_cache_length` tokens the call needs, or static over `max_cache_len` slots. `run_generation.py --explain`
+    asks it too, to say how many keys each layer's attention reads."""
+    if stock is DynamicCache and not static_shapes:
+        return GrowingCache(config, max_cache_length)
+    bucket_size = STATIC_SHAPES_BUCKET if static_shapes or compiled else 1
+    return BucketedStaticCache(config, max_cache_len, bucket_size, preallocate=True, full_length_windows=static_shapes)
 
 
 def _check_flags_reach_forward(
@@ -132,19 +150,16 @@ class GaudiGenerationMixin:
         ):
             return
         config = self.config.get_text_config(decoder=True)
-        if type(stock) is DynamicCache and not static_shapes:
-            cache = GrowingCache(config, max_cache_length)
-        else:
-            # transformers' own length for a static cache (not `stock.get_max_length()`: a sliding-window or
-            # linear-attention layer reports its window, or -1, and a model of only those would look full at once)
-            max_cache_len = max(max_cache_length, generation_config.max_cache_len or 0)
-            compiled = type(stock) is StaticCache and self._valid_auto_compile_criteria(
-                model_kwargs, generation_config
-            )
-            bucket_size = STATIC_SHAPES_BUCKET if static_shapes or compiled else 1
-            cache = BucketedStaticCache(
-                config, max_cache_len, bucket_size, preallocate=True, full_length_windows=static_shapes
-            )
+        if type(stock) is DynamicCache and static_shapes and (problem := static_cache_problem(config)):
+            warn_once(f"{problem}: generate() keeps the dynamic cache on Gaudi, one graph per decode step's shape.")
+            return
+        compiled = type(stock) is StaticCache and self._valid_auto_compile_criteria(model_kwargs, generation_config)
+        # transformers' own length for a static cache (not `stock.get_max_length()`: a sliding-window or
+        # linear-attention layer reports its window, or -1, and a model of only those would look full at once)
+        max_cache_len = max(max_cache_length, generation_config.max_cache_len or 0)
+        cache = generation_cache(
+            config, type(stock), max_cache_length, max_cache_len, static_shapes=static_shapes, compiled=compiled
+        )
         if generation_config.is_assistant:
             cache.activate_past_recording()
         model_kwargs["past_key_values"] = cache

@@ -39,11 +39,12 @@ from optimum.habana.utils.model_loading import (
 
 from ..arguments import ExecutionArguments, ScriptArguments, WorkloadArguments, flag_notes, resolve_execution
 from ..continuous_batching import ENGINE_REFUSAL_REMEDY, batch_size_note, request_prompts
-from ..generation_config import kv_cache_layout
+from ..generation_config import check_static_cache, kv_cache_layout
 from ..prompts import check_sequence_length, prompt_pool, prompts_for_batch, render_prompts, tokenize_prompts
 from .calls import Phase, call_account, format_range, kernel_account, phases
 from .engine import engine_call_accounts
 from .graphs import graph_accounts
+from .keys import group_lengths, run_cache
 from .layers import LayerGroup, attention_layer_groups, other_layer_kinds
 
 
@@ -74,10 +75,13 @@ def explain(arguments: ScriptArguments) -> str:
     check_sequence_length(input_length, workload.max_new_tokens, max_positions, fixed=workload.max_input_tokens > 0)
     padded = bool((inputs["attention_mask"] == 0).any())
     layout = kv_cache_layout(arguments, device)
+    if not engine:
+        check_static_cache(arguments, layout, config, device)
     max_cache_len = input_length + workload.max_new_tokens
     flags = arguments.attention.attention_flags()
     groups = attention_layer_groups(model)
     rows = max(workload.num_beams, 1) * workload.batch_size
+    cache, cache_words = run_cache(layout, config, max_cache_len, device, arguments.execution.torch_compile)
 
     lines = [
         f"Explain (nothing runs; config and tokenizer only): {description}",
@@ -87,7 +91,7 @@ def explain(arguments: ScriptArguments) -> str:
         f"Prompt: {rows} row(s) of {input_length} tokens, "
         + ("padded on the left" if padded else "no padding")
         + f"; up to {workload.max_new_tokens} new tokens",
-        f"KV cache: {layout.describe(max_cache_len)}",
+        f"KV cache: {cache_words}",
     ]
     if engine:
         lines[-2:] = [
@@ -122,16 +126,20 @@ def explain(arguments: ScriptArguments) -> str:
     kernel = functools.partial(
         kernel_account, device=device, dtype=dtype, rows=rows, compiled=arguments.execution.torch_compile
     )
-    for phase in (
-        [] if engine else phases(layout.kind, input_length, workload.max_new_tokens, padded, max_cache_len, layout)
-    ):
-        lines.append(
-            f"  {phase.name} (q={phase.q_len}, kv={format_range(phase.kv_lengths)}"
-            f"{', padded rows' if phase.padded else ''}):"
-        )
-        for group in groups:
-            account = call_account(flags, group, phase, device, prompt_plan, kernel, masks_from_config)
-            lines.append(f"    {group.label}: {account}")
+    lengths = group_lengths(None if engine else cache, groups, rows, input_length, workload.max_new_tokens)
+    for phase in [] if engine else phases(layout.kind, input_length, workload.max_new_tokens, padded):
+        # Each group's own key lengths (windows keep theirs); said once in the phase's line where they agree.
+        per_group = [
+            dataclasses.replace(phase, kv_lengths=known.get(phase.name.split(",")[0], phase.kv_lengths))
+            for known in lengths
+        ]
+        same = len({group_phase.kv_lengths for group_phase in per_group}) <= 1
+        kv = f", kv={format_range(per_group[0].kv_lengths)}" if same and per_group else ""
+        lines.append(f"  {phase.name} (q={phase.q_len}{kv}{', padded rows' if phase.padded else ''}):")
+        for group, group_phase in zip(groups, per_group, strict=True):
+            account = call_account(flags, group, group_phase, device, prompt_plan, kernel, masks_from_config)
+            keys = "" if same else f"kv={format_range(group_phase.kv_lengths)}: "
+            lines.append(f"    {group.label}: {keys}{account}")
     if others := other_layer_kinds(config):
         lines.append(f"  other layers: {', '.join(others)}: no softmax attention, the flag leaves them to the model")
     lines += ["", "Graphs:"]

@@ -9,7 +9,6 @@ import torch
 from optimum.habana.kernels.dispatch import kernel_path
 from optimum.habana.kernels.latent import absorbs
 from optimum.habana.transformers.attention_flags import AttentionFlags
-from optimum.habana.transformers.cache import bucketed_length
 
 from .layers import LayerGroup, softcap_fallback
 
@@ -52,33 +51,16 @@ def kernel_account(
     return path.describe(device)
 
 
-def phases(
-    cache_kind: str, input_length: int, max_new_tokens: int, padded: bool, max_cache_len: int, layout
-) -> list[Phase]:
-    """The prompt's forward and the decode steps, with the key lengths the attention sees."""
-    if cache_kind in ("dynamic", "none"):
-        prefill_kv = (input_length, input_length)
-    elif cache_kind == "bucketed":
-        bucket = layout.bucket_size
-        prefill_kv = (bucketed_length(input_length, bucket, max_cache_len),) * 2
-    else:
-        prefill_kv = (max_cache_len, max_cache_len)
-    result = [Phase("prefill", input_length, prefill_kv, padded, from_empty_cache=True)]
+def phases(cache_kind: str, input_length: int, max_new_tokens: int, padded: bool) -> list[Phase]:
+    """The prompt's forward and the decode steps, with the key lengths of a cache that holds every token (each
+    layer group's own come from its cache layer: `keys.group_lengths`)."""
+    result = [Phase("prefill", input_length, (input_length, input_length), padded, from_empty_cache=True)]
     if max_new_tokens > 1:
         first, last = input_length + 1, input_length + max_new_tokens - 1
         if cache_kind == "none":
             result.append(Phase("decode, whole sequence each step", first, (first, last), padded, True))
-            return result
-        if cache_kind == "dynamic":
-            decode_kv = (first, last)
-        elif cache_kind == "bucketed":
-            decode_kv = (
-                bucketed_length(first, layout.bucket_size, max_cache_len),
-                bucketed_length(last, layout.bucket_size, max_cache_len),
-            )
         else:
-            decode_kv = (max_cache_len, max_cache_len)
-        result.append(Phase("decode", 1, decode_kv, padded))
+            result.append(Phase("decode", 1, (first, last), padded))
     return result
 
 

@@ -39,7 +39,8 @@ def attention_layer_groups(model: torch.nn.Module) -> list[LayerGroup]:
     """Each attention layer's window, soft-capping, scale and variant, read from the model built on the meta device
     (the modules of the family's attention classes, `FamilyReport.attention_classes`)."""
     by_settings: dict[tuple, list[int]] = {}
-    for index, module in enumerate(attention_modules_of(model)):
+    for ordinal, module in enumerate(attention_modules_of(model)):
+        index = module.layer_idx if isinstance(getattr(module, "layer_idx", None), int) else ordinal
         settings = (
             call_window(module, model.config),
             getattr(module, "attn_logit_softcapping", None),
