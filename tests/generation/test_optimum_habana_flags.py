@@ -515,6 +515,27 @@ def test_explain_says_how_many_keys_each_layer_reads(script, tmp_path, monkeypat
     assert real[0, "decode"] == "8" and real[1, "decode"] != "8"
 
 
+def test_explain_on_gaudi_names_the_cache_generate_builds_there():
+    """On Gaudi generate() builds a bucketed static cache of prompt + new tokens - 1 slots, windows at the whole
+    length; DeepSeek V4, which transformers builds no static cache for, keeps the dynamic one (`generation_cache`)."""
+    from transformers import DynamicCache
+
+    from optimum.habana.cli.generation.explain.keys import run_cache
+    from optimum.habana.cli.generation.generation_config import CacheLayout
+    from optimum.habana.transformers.models import gaudi_model_class
+    from tests.families.tiny_configs import tiny_family_config
+
+    gaudi = torch.device("hpu")
+    cache, words = run_cache(CacheLayout("dynamic"), tiny_config("mistral"), 51, gaudi, compiled=False)
+    assert isinstance(cache, BucketedStaticCache) and (cache.bucket_size, cache.max_cache_len) == (256, 50)
+    assert {type(layer).__name__ for layer in cache.layers} == {"BucketedStaticLayer"}  # the window's layers too
+    assert words.startswith("dynamic asked, static on Gaudi: 50 slots") and "every window at the whole length" in words
+    config = tiny_family_config("deepseek_v4", gaudi_model_class("deepseek_v4").config_class)
+    cache, words = run_cache(CacheLayout("dynamic"), config, 51, gaudi, compiled=False)
+    assert type(cache) is DynamicCache
+    assert words.startswith("dynamic: grows by one token per step; on Gaudi too, as transformers has no static KV")
+
+
 def test_explain_and_the_run_refuse_a_static_cache_transformers_cannot_build(script, tmp_path, capsys):
     """DeepSeek V4's compressed layers have no static cache layer: --static_shapes failed with a KeyError from inside
     transformers after the model loaded; both say so in one line, naming the flag."""

@@ -26,12 +26,15 @@ def generation_cache(
     *,
     static_shapes: bool,
     compiled: bool,
-) -> GrowingCache | BucketedStaticCache:
+) -> GrowingCache | BucketedStaticCache | None:
     """The cache generate() builds in place of transformers' `stock` one (`_prepare_cache_for_generation`): growing to
-    the `max_cache_length` tokens the call needs, or static over `max_cache_len` slots. `run_generation.py --explain`
-    asks it too, to say how many keys each layer's attention reads."""
+    the `max_cache_length` tokens the call needs, or static over `max_cache_len` slots; None where stock's stays (a
+    family transformers builds no static cache for, on Gaudi). `run_generation.py --explain` asks it too, to say how
+    many keys each layer's attention reads."""
     if stock is DynamicCache and not static_shapes:
         return GrowingCache(config, max_cache_length)
+    if stock is DynamicCache and static_cache_problem(config):
+        return None
     bucket_size = STATIC_SHAPES_BUCKET if static_shapes or compiled else 1
     return BucketedStaticCache(config, max_cache_len, bucket_size, preallocate=True, full_length_windows=static_shapes)
 
@@ -149,17 +152,18 @@ class GaudiGenerationMixin:
             or (generation_config.output_attentions and (type(stock) is StaticCache or static_shapes))
         ):
             return
-        config = self.config.get_text_config(decoder=True)
-        if type(stock) is DynamicCache and static_shapes and (problem := static_cache_problem(config)):
-            warn_once(f"{problem}: generate() keeps the dynamic cache on Gaudi, one graph per decode step's shape.")
-            return
         compiled = type(stock) is StaticCache and self._valid_auto_compile_criteria(model_kwargs, generation_config)
         # transformers' own length for a static cache (not `stock.get_max_length()`: a sliding-window or
         # linear-attention layer reports its window, or -1, and a model of only those would look full at once)
         max_cache_len = max(max_cache_length, generation_config.max_cache_len or 0)
+        config = self.config.get_text_config(decoder=True)
         cache = generation_cache(
             config, type(stock), max_cache_length, max_cache_len, static_shapes=static_shapes, compiled=compiled
         )
+        if cache is None:
+            problem = static_cache_problem(config)
+            warn_once(f"{problem}: generate() keeps the dynamic cache on Gaudi, one graph per decode step's shape.")
+            return
         if generation_config.is_assistant:
             cache.activate_past_recording()
         model_kwargs["past_key_values"] = cache

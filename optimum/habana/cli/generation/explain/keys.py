@@ -11,7 +11,7 @@ import torch
 from transformers import DynamicCache, PreTrainedConfig, StaticCache
 from transformers.cache_utils import Cache, DummyLayer
 
-from optimum.habana.transformers.cache import BucketedStaticCache
+from optimum.habana.transformers.cache import BucketedStaticCache, static_cache_problem
 from optimum.habana.transformers.generation.utils import generation_cache
 from optimum.habana.transformers.growing_cache import GrowingCache
 
@@ -33,6 +33,11 @@ def run_cache(
     static_shapes = device.type == "hpu"  # `needs_static_shapes` of the model's weights
     length = generated_cache_length(max_cache_len)
     cache = generation_cache(text_config, stock, length, length, static_shapes=static_shapes, compiled=compiled)
+    if cache is None:
+        return DynamicCache(config=text_config), (
+            f"dynamic: grows by one token per step; on Gaudi too, as {static_cache_problem(text_config)} (one graph "
+            "per decode step's shape; one warning)"
+        )
     if isinstance(cache, GrowingCache):
         return cache, "dynamic: grows by one token per step (GrowingCache: a DynamicCache appended in place)"
     buckets = (
