@@ -471,3 +471,23 @@ def test_a_family_without_a_static_cache_keeps_the_dynamic_one_on_gaudi_with_one
         "'compressed_sparse_attention', 'heavily_compressed_attention' layers): generate() keeps the dynamic cache "
         "on Gaudi, one graph per decode step's shape."
     ]
+
+
+@pytest.mark.parametrize("model_type", ["zamba2", "nemotron_h", "opt", "moshi"])
+def test_a_padded_forward_on_gaudi_keeps_the_familys_own_masks_where_they_are_not_transformers_alone(
+    model_type, monkeypatch
+):
+    """On Gaudi a 2-D mask is turned into transformers' 4-D masks before the layers (no host read for an HPU graph);
+    where the family's decoder does more with it that failed: hybrids' `hybrid`/`mlp` layer types have no single mask
+    builder (a TypeError or KeyError), OPT counts its positions from the 2-D mask (a shape error), Moshi's config
+    window is applied by no layer (every logit wrong). Those keep the 2-D mask, as stock does."""
+    from tests.families.support import family_pair
+
+    ours, stock = family_pair(model_type)
+    inputs = left_padded_batch([12, 5, 9], seed=7)
+    real = inputs["attention_mask"].bool()
+    with torch.no_grad():
+        expected = stock(**inputs).logits[real]
+        gaudi(monkeypatch)
+        for flags in ({}, {"use_flash_attention": True}):
+            torch.testing.assert_close(ours(**inputs, **flags).logits[real], expected, rtol=1e-4, atol=1e-4)

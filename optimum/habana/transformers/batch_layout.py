@@ -56,11 +56,31 @@ def plan_batch_layout(config: PreTrainedConfig, kwargs: dict[str, Any], dtype: t
     """
     plan = _plan(config, kwargs)
     attention_mask = plan.get("attention_mask", kwargs.get("attention_mask"))
-    if is_padding_mask(attention_mask) and not is_tracing(attention_mask) and not host_reads_allowed(attention_mask):
+    if (
+        is_padding_mask(attention_mask)
+        and not is_tracing(attention_mask)
+        and not host_reads_allowed(attention_mask)
+        and masks_are_built_here(config)
+    ):
         # On Gaudi, eager: transformers' mask shortcuts read the mask on the host (is it all ones?); build the masks
         # without them, before the layers, so that an HPU graph records no read.
         plan["attention_mask"] = masks_without_shortcuts(config, kwargs, dtype)
     return plan
+
+
+def masks_are_built_here(config: PreTrainedConfig) -> bool:
+    """Whether `masks_without_shortcuts` builds the masks the family's decoder would: it builds them with
+    transformers' mask builders from the 2-D mask, which nothing else reads (OPT counts its positions from it), one
+    builder per layer type (hybrid families' `hybrid` and `mlp` layers have none, or several), and its config's window
+    is the one its layers apply (not Moshi's). Elsewhere the 2-D mask goes on to the family's own code, host reads and
+    all, as stock's does."""
+    layer_types = set(getattr(config, "layer_types", None) or ())
+    builders = [LAYER_PATTERN_TO_MASK_FUNCTION_MAPPING.get(kind) for kind in layer_types]
+    return (
+        family_runs_mask_free(config.model_type)
+        and generation_masks_are_the_familys(config)
+        and all(callable(builder) for builder in builders)
+    )
 
 
 def _plan(config: PreTrainedConfig, kwargs: dict[str, Any]) -> dict[str, Any]:
