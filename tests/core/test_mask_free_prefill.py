@@ -108,3 +108,36 @@ def test_a_family_whose_config_has_another_model_type_builds_no_prompt_mask(monk
     assert all(mask is None and is_causal for _, mask, is_causal in kernel_masks)
     real = inputs["attention_mask"].bool()
     torch.testing.assert_close(flash[real], expected[real])
+
+
+def test_a_family_that_makes_its_own_mask_keeps_it_in_the_causal_mask_mode(tmp_path):
+    """Qwen4's attention merges its indexer's selection into the decoder's mask. The causal-mask mode planned its
+    padded prompts like any family's, causal over the rows' real tokens, which dropped the selection: logits 0.57 off
+    and other tokens. The mode now leaves such a family its mask, says so once, and every step is stock's; --explain
+    says the same."""
+    import warnings
+
+    from optimum.habana.cli.generation.explain import explain
+    from optimum.habana.transformers.families.lookups import attention_with_its_own_mask
+    from tests.families.support import assert_same_steps, family_pair, greedy, save_family_checkpoint
+    from tests.generation.support import parse
+    from tests.helpers import train_tiny_tokenizer
+
+    assert attention_with_its_own_mask("qwen4_exp_text") == "Qwen4ExpTextAttention"
+    assert attention_with_its_own_mask("qwen3") is None
+    ours, stock = family_pair("qwen4_exp_text")
+    inputs = left_padded_batch([12, 5, 9], seed=7)
+    dispatch.warn_once.cache_clear()
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        steps = greedy(ours, inputs, use_flash_attention=True, flash_attention_causal_mask=True)
+    assert_same_steps(steps, greedy(stock, inputs))
+    said = [str(warning.message) for warning in record if "makes its own mask" in str(warning.message)]
+    assert said == [
+        "flash_attention_causal_mask: Qwen4ExpTextAttention makes its own mask from transformers' (an indexer's "
+        "selection); its calls take that mask, not the rows' valid lengths."
+    ]
+    checkpoint = save_family_checkpoint(tmp_path, "qwen4_exp_text", train_tiny_tokenizer(True))
+    argv = ["--model_name_or_path", str(checkpoint), "--use_flash_attention", "--flash_attention_causal_mask"]
+    prefill = explain(parse([*argv, "--batch_size", "2", "--max_new_tokens", "2"])).split("  prefill")[1]
+    assert "attn_mask=boolean" in prefill and "real tokens" not in prefill.split("  decode")[0]

@@ -29,7 +29,7 @@ from transformers.utils.import_utils import is_tracing
 
 from ..kernels.dispatch import host_reads_allowed, needs_padding_mask, on_hpu, warn_once
 from ..kernels.variable_length import PaddedPrompt, PromptPaddingSide, Segment, Segments
-from .families.lookups import family_runs_mask_free, sequential_layers
+from .families.lookups import attention_with_its_own_mask, family_runs_mask_free, sequential_layers
 from .families.qualification import ALTERNATING, CHUNKED, WINDOW
 from .families.reports import family_report
 
@@ -115,6 +115,11 @@ def _plan(config: PreTrainedConfig, kwargs: dict[str, Any]) -> dict[str, Any]:
         return {}
     causal_mask_mode = kwargs["flash_attention_causal_mask"]
     if not prompt_is_planned(config, tokens, causal_mask_mode):
+        if causal_mask_mode:
+            warn_once(
+                f"flash_attention_causal_mask: {attention_with_its_own_mask(config.model_type)} makes its own mask "
+                "from transformers' (an indexer's selection); its calls take that mask, not the rows' valid lengths."
+            )
         return {}
     mask_free = prompt_runs_mask_free(config, tokens, causal_mask_mode)
     interior = False
@@ -143,8 +148,11 @@ def prompt_runs_mask_free(config: PreTrainedConfig, tokens: torch.Tensor, causal
 
 def prompt_is_planned(config: PreTrainedConfig, tokens: torch.Tensor, causal_mask_mode: bool) -> bool:
     """Whether a padded prompt from an empty cache is planned on the fused path: it runs mask-free, or the causal-mask
-    mode gives the kernel the rows' valid lengths (layers with a window or chunk still read transformers' mask)."""
-    return causal_mask_mode or prompt_runs_mask_free(config, tokens, causal_mask_mode)
+    mode gives the kernel the rows' valid lengths (layers with a window or chunk still read transformers' mask), unless
+    the family's attention makes its own mask from the decoder's (an indexer's selection), which those would drop."""
+    if causal_mask_mode and attention_with_its_own_mask(config.model_type) is None:
+        return True
+    return prompt_runs_mask_free(config, tokens, causal_mask_mode)
 
 
 def generation_masks_are_the_familys(config: PreTrainedConfig) -> bool:

@@ -55,7 +55,7 @@ from .batch_layout import (
 from .cache import BucketedStaticCache
 from .continuous_batching import ChosenAttnImplementation, engine_flags, init_manager
 from .decoder_inputs import prepare_decoder_call
-from .families.lookups import family_is_windowed, family_runs_mask_free
+from .families.lookups import attention_with_its_own_mask, family_is_windowed, family_runs_mask_free
 from .families.source_facts import decoder_path
 from .generation import GaudiGenerationConfig, GaudiGenerationMixin
 from .latent_attention import keep_latent_compressed
@@ -140,6 +140,7 @@ class GaudiAttentionMixin(GaudiGenerationMixin):
             named._attn_implementation_internal = FUSED_SDPA_IMPLEMENTATION
         family_runs_mask_free(self.config.model_type)  # known before any forward asks, also inside a graph
         family_is_windowed(self.config.model_type)
+        attention_with_its_own_mask(self.config.model_type)
         view = AttentionConfigView(self.config, self.generation_config)
         self.__dict__["_attention_config_view"] = view
         for module in self.modules():

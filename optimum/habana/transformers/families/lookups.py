@@ -1,8 +1,12 @@
 """What a built model asks of its family's report while it runs: answers kept in plain dicts, so that a forward asks
 them cheaply, also while torch.compile traces it (a Gaudi model asks once when it is built)."""
 
+import importlib
 from typing import Any
 
+import transformers
+
+from .mask_facts import edits_its_mask
 from .qualification import ALTERNATING, NON_ATTENTION_LAYERS, WINDOW
 from .reports import family_report
 
@@ -13,6 +17,7 @@ SEQUENTIAL_LAYERS = NON_ATTENTION_LAYERS - {"mlp", "moe"}
 
 _MASK_FREE: dict[str, bool] = {}
 _WINDOWED: dict[str, bool] = {}
+_OWN_MASK: dict[str, str | None] = {}
 
 
 def family_is_windowed(model_type: str) -> bool:
@@ -32,6 +37,21 @@ def family_runs_mask_free(model_type: str) -> bool:
     if known is None:
         known = _MASK_FREE[model_type] = family_report(model_type).mask_free
     return known
+
+
+def attention_with_its_own_mask(model_type: str) -> str | None:
+    """The family's attention class that makes its own mask from the decoder's (`mask_facts.edits_its_mask`: Qwen4
+    merges an indexer's selection into it), or None. Its padded prompts are not planned in the causal-mask mode: the
+    rows' valid lengths would stand in for that mask. Read once from the code and kept in a plain dict, as
+    `family_runs_mask_free`."""
+    if model_type not in _OWN_MASK:
+        report = family_report(model_type)
+        module = (
+            importlib.import_module(getattr(transformers, report.class_name).__module__) if report.qualifies else None
+        )
+        editing = [name for name in report.attention_classes if module and edits_its_mask(getattr(module, name))]
+        _OWN_MASK[model_type] = editing[0] if editing else None
+    return _OWN_MASK[model_type]
 
 
 def attention_modules_of(model: Any) -> list[Any]:

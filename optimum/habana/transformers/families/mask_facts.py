@@ -83,4 +83,28 @@ def builds_masks_with_transformers(cls: type) -> bool:
     return located is not None and bool(_source_names(located[1]) & MASK_BUILDERS)
 
 
-__all__ = ["MASK_BUILDERS", "builds_masks_with_transformers", "forward_reads", "mask_uses"]
+@functools.cache
+def edits_its_mask(cls: type) -> bool:
+    """Whether `cls`'s forward makes its own mask from the one it gets before handing it on (`attention_mask =
+    attention_mask & selection`: an indexer's choice merged in, blocks appended). A plan that stands in for the
+    decoder's mask would drop what the layer adds."""
+    located = method(cls, "forward")
+    if located is None:
+        return False
+    for node in ast.walk(located[1]):
+        if isinstance(node, ast.AugAssign):
+            targets, value = [node.target], None
+        elif isinstance(node, ast.Assign):
+            targets, value = node.targets, node.value
+        else:
+            continue
+        if not any(isinstance(target, ast.Name) and target.id == "attention_mask" for target in targets):
+            continue
+        if value is None or any(
+            isinstance(name, ast.Name) and name.id == "attention_mask" for name in ast.walk(value)
+        ):
+            return True
+    return False
+
+
+__all__ = ["MASK_BUILDERS", "builds_masks_with_transformers", "edits_its_mask", "forward_reads", "mask_uses"]

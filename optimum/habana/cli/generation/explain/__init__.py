@@ -27,6 +27,7 @@ from optimum.habana.transformers.batch_layout import (
     padding_mask_is_all_it_needs,
 )
 from optimum.habana.transformers.continuous_batching import check_engine_serves
+from optimum.habana.transformers.families.lookups import attention_with_its_own_mask
 from optimum.habana.transformers.models import family_problem, gaudi_model_class
 from optimum.habana.utils.gguf_reading import parsed_once
 from optimum.habana.utils.model_loading import (
@@ -116,6 +117,7 @@ def explain(arguments: ScriptArguments) -> str:
     # A padded prompt's plan (batch_layout): every layer full attention, or, off Gaudi, windows and chunks too.
     prompt_plan = padding_mask_is_all_it_needs(config) or (device.type != "hpu" and local_layers_run_planned(config))
     masks_from_config = generation_masks_are_the_familys(config)
+    causal_mask_plans = attention_with_its_own_mask(config.model_type) is None
     if engine:
         # The engine's eager decode steps on CPU read the paged cache on the decode kernel (kernels/cpu_decode.py).
         paged_kernel = device.type == "cpu" and not arguments.execution.torch_compile and decode_kernel_expected(dtype)
@@ -137,7 +139,9 @@ def explain(arguments: ScriptArguments) -> str:
         kv = f", kv={format_range(per_group[0].kv_lengths)}" if same and per_group else ""
         lines.append(f"  {phase.name} (q={phase.q_len}{kv}{', padded rows' if phase.padded else ''}):")
         for group, group_phase in zip(groups, per_group, strict=True):
-            account = call_account(flags, group, group_phase, device, prompt_plan, kernel, masks_from_config)
+            account = call_account(
+                flags, group, group_phase, device, prompt_plan, kernel, masks_from_config, causal_mask_plans
+            )
             keys = "" if same else f"kv={format_range(group_phase.kv_lengths)}: "
             lines.append(f"    {group.label}: {keys}{account}")
     if others := other_layer_kinds(config):

@@ -89,11 +89,13 @@ def call_account(
     model_mask_free: bool,
     kernel: Callable[..., str],
     masks_from_config: bool = True,
+    causal_mask_plans: bool = True,
 ) -> str:
     """The path of this group's calls in this phase, and the arguments the kernel gets (`kernel`: `kernel_account`
     with the run's device, dtype and rows, which names the kernel and the transforms before it). `masks_from_config`:
     generate() builds a static cache's masks as the family does (`generation_masks_are_the_familys`), so it may hand
-    the decoder the prompt's 2-D mask to plan instead."""
+    the decoder the prompt's 2-D mask to plan instead. `causal_mask_plans`: the causal-mask mode plans a padded prompt
+    (not where the family's attention makes its own mask: `attention_with_its_own_mask`)."""
     is_prefill = phase.q_len > 1
     mask_skipped = mask_is_skipped(group, phase)
     mask = "None" if mask_skipped else f"boolean [rows, 1, {phase.q_len}, kv]"
@@ -117,7 +119,7 @@ def call_account(
         and model_mask_free
         and not (device.type == "hpu" and not flags.flash_attention_causal_mask)
     )
-    planned = mask_free or (two_d_mask and flags.flash_attention_causal_mask)
+    planned = mask_free or (two_d_mask and flags.flash_attention_causal_mask and causal_mask_plans)
     window = group.sliding_window if group.sliding_window is not None and phase.q_len > group.sliding_window else None
     chunk = group.chunk if group.chunk is not None and phase.q_len > group.chunk else None
     # Off Gaudi a planned prompt's local layer runs in windows or chunks (kernels/local_attention.py); on Gaudi, and
