@@ -134,8 +134,8 @@ def test_a_family_that_makes_its_own_mask_keeps_it_in_the_causal_mask_mode(tmp_p
     assert_same_steps(steps, greedy(stock, inputs))
     said = [str(warning.message) for warning in record if "makes its own mask" in str(warning.message)]
     assert said == [
-        "flash_attention_causal_mask: Qwen4ExpTextAttention makes its own mask from transformers' (an indexer's "
-        "selection); its calls take that mask, not the rows' valid lengths."
+        "flash_attention_causal_mask: Qwen4ExpTextAttention makes its own mask from transformers' (what its layer "
+        "adds: an indexer's selection, compressed blocks); its calls take that mask, not the rows' valid lengths."
     ]
     checkpoint = save_family_checkpoint(tmp_path, "qwen4_exp_text", train_tiny_tokenizer(True))
     argv = ["--model_name_or_path", str(checkpoint), "--use_flash_attention", "--flash_attention_causal_mask"]

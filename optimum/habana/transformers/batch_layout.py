@@ -118,7 +118,8 @@ def _plan(config: PreTrainedConfig, kwargs: dict[str, Any]) -> dict[str, Any]:
         if causal_mask_mode:
             warn_once(
                 f"flash_attention_causal_mask: {attention_with_its_own_mask(config.model_type)} makes its own mask "
-                "from transformers' (an indexer's selection); its calls take that mask, not the rows' valid lengths."
+                "from transformers' (what its layer adds: an indexer's selection, compressed blocks); its calls take "
+                "that mask, not the rows' valid lengths."
             )
         return {}
     mask_free = prompt_runs_mask_free(config, tokens, causal_mask_mode)
