@@ -515,6 +515,35 @@ def test_explain_says_how_many_keys_each_layer_reads(script, tmp_path, monkeypat
     assert real[0, "decode"] == "8" and real[1, "decode"] != "8"
 
 
+@pytest.mark.parametrize("extra", [[], ["--static_shapes"]], ids=["dynamic", "static"])
+def test_explain_counts_the_keys_of_shared_attention_blocks(script, tmp_path, monkeypatch, extra):
+    """Zamba 2's attention is one shared block (its modules' `layer_idx` is -1, no cache layer of its own): --explain
+    numbered its layers -1 and read the keys off the cache's last layer. Its layers keep their order's numbers, and
+    every call reads what the account says: the sequence, or a static cache's whole length."""
+    from transformers import AttentionInterface
+
+    from tests.families.support import save_family_checkpoint
+    from tests.helpers import train_tiny_tokenizer
+
+    checkpoint = save_family_checkpoint(tmp_path, "zamba2", train_tiny_tokenizer(chat_template=True))
+    argv = ["--model_name_or_path", str(checkpoint), "--use_flash_attention", "--max_new_tokens", "6", *extra]
+    argv += ["--batch_size", "2", "--n_iterations", "1", "--warmup", "0"]
+    explained = explained_key_lengths(explain(parse(argv)))
+    assert {layer for layer, _ in explained} == {0, 1}
+    seen = {}
+    for name, attention_function in list(AttentionInterface._global_mapping.items()):
+
+        def recorded(module, query, key, *args, attend=attention_function, **kwargs):
+            seen.setdefault("prefill" if query.shape[2] > 1 else "decode", set()).add(key.shape[2])
+            return attend(module, query, key, *args, **kwargs)
+
+        monkeypatch.setitem(AttentionInterface._global_mapping, name, recorded)
+    run_in_process(script, argv, tmp_path / "run")
+    for phase, lengths in seen.items():
+        said = {explained[layer, phase] for layer in (0, 1)}
+        assert said == {f"{min(lengths)}..{max(lengths)}" if len(lengths) > 1 else str(*lengths)}, (phase, said)
+
+
 def test_explain_on_gaudi_names_the_cache_generate_builds_there():
     """On Gaudi generate() builds a bucketed static cache of prompt + new tokens - 1 slots, windows at the whole
     length; DeepSeek V4, which transformers builds no static cache for, keeps the dynamic one (`generation_cache`)."""

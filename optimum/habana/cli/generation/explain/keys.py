@@ -68,6 +68,8 @@ def group_lengths(
         return [{} for _ in groups]
     layers = [
         {type(cache.layers[index]): index for index in group.indices if holds_keys(cache, index)}.values()
+        if group.layer_indexed
+        else ()
         for group in groups
     ]
     seen = {index: [] for indices in layers for index in indices}
@@ -83,7 +85,9 @@ def group_lengths(
         past += new_tokens
     result = []
     for indices in layers:
-        lengths = {}
+        # A layer whose keys no cache layer of its own holds (shared blocks): a static cache's are its whole length.
+        whole = (cache.max_cache_len, cache.max_cache_len) if isinstance(cache, StaticCache) else None
+        lengths = {"prefill": whole, "decode": whole} if whole and not indices else {}
         if indices:
             prompt = [seen[index][0] for index in indices]
             lengths["prefill"] = (min(prompt), max(prompt))
@@ -98,7 +102,7 @@ def holds_keys(cache: Cache, index: int) -> bool:
     """Whether layer `index` of `cache` keeps keys of its own: not a layer that reads another's (Gemma 3n's shared
     ones, `DummyLayer`), nor a linear-attention layer (Zamba's attention reads its own cache); those groups keep the
     whole sequence's key lengths."""
-    layer = cache.layers[index] if index < len(cache.layers) else None
+    layer = cache.layers[index] if 0 <= index < len(cache.layers) else None
     return layer is not None and not isinstance(layer, DummyLayer) and hasattr(layer, "update")
 
 

@@ -29,6 +29,7 @@ class LayerGroup:
     chunk: int | None = None  # a chunked layer's chunk size
     geometry: tuple[int, int, int, int, bool] = (1, 1, 1, 1, False)  # heads, kv heads, q/k and v head sizes, sinks
     latent: tuple[int, int] | None = None  # a compressed cache's latent and rotary key sizes (latent_attention.py)
+    layer_indexed: bool = True  # `indices` are the decoder layers' (and the cache's) numbers, not the modules' order
 
     @property
     def label(self) -> str:
@@ -38,9 +39,15 @@ class LayerGroup:
 def attention_layer_groups(model: torch.nn.Module) -> list[LayerGroup]:
     """Each attention layer's window, soft-capping, scale and variant, read from the model built on the meta device
     (the modules of the family's attention classes, `FamilyReport.attention_classes`)."""
+    modules = attention_modules_of(model)
+    layer_indices = [getattr(module, "layer_idx", None) for module in modules]
+    # The decoder layers' own numbers where every module has one of its own (Zamba's shared blocks have -1 or None)
+    indexed = all(isinstance(index, int) and index >= 0 for index in layer_indices) and len(set(layer_indices)) == len(
+        layer_indices
+    )
     by_settings: dict[tuple, list[int]] = {}
-    for ordinal, module in enumerate(attention_modules_of(model)):
-        index = module.layer_idx if isinstance(getattr(module, "layer_idx", None), int) else ordinal
+    for ordinal, module in enumerate(modules):
+        index = layer_indices[ordinal] if indexed else ordinal
         settings = (
             call_window(module, model.config),
             getattr(module, "attn_logit_softcapping", None),
@@ -51,7 +58,7 @@ def attention_layer_groups(model: torch.nn.Module) -> list[LayerGroup]:
             (module.kv_lora_rank, module.qk_rope_head_dim) if receives_compressed_latent(module) else None,
         )
         by_settings.setdefault(settings, []).append(index)
-    return [LayerGroup(tuple(indices), *settings) for settings, indices in by_settings.items()]
+    return [LayerGroup(tuple(indices), *settings, layer_indexed=indexed) for settings, indices in by_settings.items()]
 
 
 def layer_geometry(module: torch.nn.Module, config) -> tuple[int, int, int, int, bool]:
