@@ -484,20 +484,11 @@ def explained_key_lengths(text: str) -> dict[tuple[int, str], str]:
     return lengths
 
 
-@pytest.mark.parametrize(
-    "extra", [[], ["--static_shapes"], ["--bucket_size", "8"]], ids=["dynamic", "static", "buckets"]
-)
-def test_explain_says_how_many_keys_each_layer_reads(script, tmp_path, monkeypatch, extra):
-    """gpt-oss alternates windows of 8 with full layers: its windowed layers read 8 keys a decode step, its full ones
-    the filled slots (generate()'s static cache is bucketed over them, and holds prompt + new tokens - 1). The
-    account once gave every layer the cache's whole length, whatever the layer and the cache."""
+def record_key_lengths(monkeypatch) -> dict[tuple[object, str], list[int]]:
+    """Every attention call's key length from now on, by the module's `layer_idx` and the phase, as transformers'
+    attention interface hands the call on (whichever attention the run uses)."""
     from transformers import AttentionInterface
 
-    checkpoint = save_tiny_checkpoint(tmp_path / "gpt_oss", model_type="gpt_oss")
-    config = json.loads((checkpoint / "config.json").read_text())
-    (checkpoint / "config.json").write_text(json.dumps({**config, "sliding_window": 8}))
-    argv = tiny_argv(checkpoint, "--use_flash_attention", "--max_new_tokens", "12", *extra)
-    explained = explained_key_lengths(explain(parse(argv)))
     seen = {}
     for name, attention_function in list(AttentionInterface._global_mapping.items()):
 
@@ -507,10 +498,29 @@ def test_explain_says_how_many_keys_each_layer_reads(script, tmp_path, monkeypat
             return attend(module, query, key, *args, **kwargs)
 
         monkeypatch.setitem(AttentionInterface._global_mapping, name, recorded)
+    return seen
+
+
+def key_range(lengths: list[int]) -> str:
+    """Key lengths as --explain writes them: one number, or the fewest..the most."""
+    return f"{min(lengths)}..{max(lengths)}" if min(lengths) < max(lengths) else str(lengths[0])
+
+
+@pytest.mark.parametrize(
+    "extra", [[], ["--static_shapes"], ["--bucket_size", "8"]], ids=["dynamic", "static", "buckets"]
+)
+def test_explain_says_how_many_keys_each_layer_reads(script, tmp_path, monkeypatch, extra):
+    """gpt-oss alternates windows of 8 with full layers: its windowed layers read 8 keys a decode step, its full ones
+    the filled slots (generate()'s static cache is bucketed over them, and holds prompt + new tokens - 1). The
+    account once gave every layer the cache's whole length, whatever the layer and the cache."""
+    checkpoint = save_tiny_checkpoint(tmp_path / "gpt_oss", model_type="gpt_oss")
+    config = json.loads((checkpoint / "config.json").read_text())
+    (checkpoint / "config.json").write_text(json.dumps({**config, "sliding_window": 8}))
+    argv = tiny_argv(checkpoint, "--use_flash_attention", "--max_new_tokens", "12", *extra)
+    explained = explained_key_lengths(explain(parse(argv)))
+    seen = record_key_lengths(monkeypatch)
     run_in_process(script, argv, tmp_path / "run")
-    real = {
-        key: f"{min(found)}..{max(found)}" if min(found) < max(found) else str(found[0]) for key, found in seen.items()
-    }
+    real = {key: key_range(lengths) for key, lengths in seen.items()}
     assert real == explained
     assert real[0, "decode"] == "8" and real[1, "decode"] != "8"
 
@@ -520,8 +530,6 @@ def test_explain_counts_the_keys_of_shared_attention_blocks(script, tmp_path, mo
     """Zamba 2's attention is one shared block (its modules' `layer_idx` is -1, no cache layer of its own): --explain
     numbered its layers -1 and read the keys off the cache's last layer. Its layers keep their order's numbers, and
     every call reads what the account says: the sequence, or a static cache's whole length."""
-    from transformers import AttentionInterface
-
     from tests.families.support import save_family_checkpoint
     from tests.helpers import train_tiny_tokenizer
 
@@ -530,18 +538,12 @@ def test_explain_counts_the_keys_of_shared_attention_blocks(script, tmp_path, mo
     argv += ["--batch_size", "2", "--n_iterations", "1", "--warmup", "0"]
     explained = explained_key_lengths(explain(parse(argv)))
     assert {layer for layer, _ in explained} == {0, 1}
-    seen = {}
-    for name, attention_function in list(AttentionInterface._global_mapping.items()):
-
-        def recorded(module, query, key, *args, attend=attention_function, **kwargs):
-            seen.setdefault("prefill" if query.shape[2] > 1 else "decode", set()).add(key.shape[2])
-            return attend(module, query, key, *args, **kwargs)
-
-        monkeypatch.setitem(AttentionInterface._global_mapping, name, recorded)
+    seen = record_key_lengths(monkeypatch)
     run_in_process(script, argv, tmp_path / "run")
-    for phase, lengths in seen.items():
+    assert {index for index, _ in seen} == {-1}  # one shared block: no layer number of its own
+    for phase in ("prefill", "decode"):
         said = {explained[layer, phase] for layer in (0, 1)}
-        assert said == {f"{min(lengths)}..{max(lengths)}" if len(lengths) > 1 else str(*lengths)}, (phase, said)
+        assert said == {key_range(seen[-1, phase])}, (phase, said)
 
 
 def test_explain_on_gaudi_names_the_cache_generate_builds_there():
