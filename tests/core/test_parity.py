@@ -203,3 +203,29 @@ def test_training_gradients_agree_with_an_all_zero_attention_mask_row():
     for name, gradient in gradients[True].items():
         assert torch.isfinite(gradient).all(), name
         torch.testing.assert_close(gradient, gradients[False][name], atol=1e-5, rtol=0, msg=name)
+
+
+@pytest.mark.parametrize("use_flash_attention", [False, True])
+@pytest.mark.parametrize("scored_by", ["position_bias", "indices"])
+def test_a_planned_prompt_in_a_static_cache_attends_from_its_first_slot(scored_by, use_flash_attention):
+    """A prompt planned from an empty static cache reaches the layers with no mask and keys for every slot: the
+    prompt's first, then the unused ones. A family's position bias or indexer selection turns the call into a dense
+    mask; its causality starts at the first slot, as without the unused slots (Inkling's static generate() once
+    read each query's keys from two slots later)."""
+    generator = torch.Generator().manual_seed(0)
+    q_len, slots = 5, 9
+    query = torch.randn(2, 4, q_len, 8, generator=generator)
+    key, value = (torch.randn(2, 2, slots, 8, generator=generator) for _ in range(2))
+    if scored_by == "position_bias":
+        scores = {"position_bias": torch.randn(2, 4, q_len, slots, generator=generator)}
+        filled = {"position_bias": scores["position_bias"][..., :q_len]}
+    else:  # each query's three lowest-numbered keys
+        scores = {"indices": torch.arange(3).expand(2, q_len, 3)}
+        filled = scores
+    layer = _Layer().eval()
+    flags = {"use_flash_attention": use_flash_attention}
+    found, _ = attention.gaudi_attention_forward(layer, query, key, value, None, **scores, **flags)
+    expected, _ = attention.gaudi_attention_forward(
+        layer, query, key[:, :, :q_len], value[:, :, :q_len], None, **filled, **flags
+    )
+    torch.testing.assert_close(found, expected, atol=1e-6, rtol=0)

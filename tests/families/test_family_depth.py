@@ -72,10 +72,13 @@ def assert_same_gradients(ours, stock) -> None:
         assert (found[name] - gradient).abs().max() <= 1e-4 * scale, name
 
 
+@pytest.mark.parametrize("lengths", [LENGTHS, LENGTHS[:1]], ids=["padded", "one_row"])
 @pytest.mark.parametrize("model_type", FAMILY_TYPES)
-def test_static_cache_generate_gives_stock_tokens(model_type):
+def test_static_cache_generate_gives_stock_tokens(model_type, lengths):
+    """A padded batch, and one unpadded row: a prompt whose layers get no mask, with keys for every slot of the
+    cache."""
     ours, stock = family_pair(model_type)
-    inputs = left_padded_batch(LENGTHS)
+    inputs = left_padded_batch(lengths)
     try:
         reference = greedy(stock, inputs, cache_implementation="static")
     except Exception as stock_error:  # the family itself has no static cache (linear-attention layers, say)

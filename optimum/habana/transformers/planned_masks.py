@@ -8,7 +8,7 @@ rows) get the mask transformers would have built, from the plan, here.
 
 import torch
 
-from ..kernels.variable_length import PaddedPrompt, Segments, segment_mask, windowed_causal_mask
+from ..kernels.variable_length import PaddedPrompt, Segments, segment_mask
 
 
 def planned_mask(
@@ -44,10 +44,11 @@ def scored_mask(
 ) -> torch.Tensor | None:
     """The mask with what a family adds to the scores: the keys its indexer selected per query (`indices`, top-k
     sparse attention: every other key masked, as the family does for its eager and SDPA paths) and an additive
-    position bias (a float mask, the bias added)."""
+    position bias (a float mask, the bias added). No mask with several queries is a prompt planned from an empty
+    cache: causal from the first key, whatever unused slots a static cache adds after the prompt's keys."""
     q_len, kv_len = query.shape[2], key.shape[2]
     if attention_mask is None and q_len > 1 and is_causal is not False:
-        attention_mask = windowed_causal_mask(q_len, kv_len, None, query.device)[None, None]
+        attention_mask = torch.ones(q_len, kv_len, dtype=torch.bool, device=query.device).tril()[None, None]
     if selected_keys is not None:
         unselected = torch.ones(selected_keys.shape[0], q_len, kv_len, dtype=torch.bool, device=query.device)
         unselected = unselected.scatter(-1, selected_keys.long(), False)[:, None]
