@@ -16,6 +16,7 @@ from tests.helpers import (
     build_pair,
     count_attention_paths,
     left_padded_batch,
+    tiny_llama_config,
     train_tiny_tokenizer,
 )
 
@@ -178,3 +179,20 @@ def test_static_cache_of_windowed_layers_only_takes_a_next_turn_past_its_length(
     """Its windowed layers roll, as stock's do: a second generate() from it runs past the cache's max_cache_len."""
     inputs = left_padded_batch([12, 5, 9], seed=4)
     check_feature("mistral", static_cache_next_turn, inputs, monkeypatch, **SLIDING_WINDOW_CONFIGS["mistral"])
+
+
+@pytest.mark.parametrize("bucket_size", [1, 4])
+def test_a_static_cache_length_read_before_an_update_keeps_its_value(bucket_size):
+    """transformers' static layers hand out their length as the very tensor `update` advances in place: Inkling reads
+    its query positions' offset before a layer's update and counts with it after, one position ahead with stock's
+    static cache (its decode steps' logits 1e-3 from its dynamic cache's). Ours hands out the length as it is."""
+    config = tiny_llama_config()
+    cache = BucketedStaticCache(config, max_cache_len=8, bucket_size=bucket_size)
+    head_dim = config.hidden_size // config.num_attention_heads
+    prompt = torch.randn(1, config.num_key_value_heads, 3, head_dim)
+    cache.prepare_for_new_tokens(3)
+    cache.update(prompt, prompt, 0)
+    cache.prepare_for_new_tokens(1)
+    offset, length = cache.get_query_offset(0), cache.get_seq_length(0)
+    cache.update(prompt[:, :, :1], prompt[:, :, :1], 0)
+    assert (int(offset), int(length), int(cache.get_seq_length(0))) == (3, 3, 4)

@@ -72,6 +72,11 @@ def assert_same_gradients(ours, stock) -> None:
         assert (found[name] - gradient).abs().max() <= 1e-4 * scale, name
 
 
+# Families whose stock static cache gives other logits than its dynamic one by a defect of transformers' that the
+# Gaudi static cache does not share: their reference is stock's dynamic cache (tests/core/test_generation_features.py).
+STOCK_STATIC_CACHE_DEFECTS = {"inkling_text": "query positions counted from a length `update` advanced in place"}
+
+
 @pytest.mark.parametrize("lengths", [LENGTHS, LENGTHS[:1]], ids=["padded", "one_row"])
 @pytest.mark.parametrize("model_type", FAMILY_TYPES)
 def test_static_cache_generate_gives_stock_tokens(model_type, lengths):
@@ -85,6 +90,11 @@ def test_static_cache_generate_gives_stock_tokens(model_type, lengths):
         with pytest.raises(type(stock_error)):
             greedy(ours, inputs, cache_implementation="static", use_flash_attention=True)
         return
+    if model_type in STOCK_STATIC_CACHE_DEFECTS:
+        dynamic = greedy(stock, inputs)
+        with pytest.raises(AssertionError):  # still there: else the family leaves STOCK_STATIC_CACHE_DEFECTS
+            assert_same_steps(reference, dynamic)
+        reference = dynamic
     assert_same_steps(greedy(ours, inputs, cache_implementation="static", use_flash_attention=True), reference)
     assert_same_steps(greedy(ours, inputs, cache_implementation="static"), reference)
 

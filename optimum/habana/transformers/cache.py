@@ -119,6 +119,13 @@ class BucketedStaticCache(StaticCache):
         self.max_cache_len = max_cache_len
         self.tokens = 0  # held after the current forward; a Python int, so that compiled code never reads a tensor
 
+    def get_seq_length(self, layer_idx: int = 0) -> int | torch.Tensor:
+        """The cached length as it is now. Stock's static layers hand out the very tensor their `update` advances in
+        place, and a family that reads it before a layer's update and counts with it after (Inkling's query
+        positions, through `get_query_offset`) counts one token ahead: a copy (no device read) keeps the value."""
+        length = super().get_seq_length(layer_idx)
+        return length.clone() if isinstance(length, torch.Tensor) else length
+
     def bucketed_length(self, tokens: int) -> int:
         if tokens > self.max_cache_len:
             raise ValueError(f"The cache holds {self.max_cache_len} tokens; this step needs {tokens}.")
