@@ -476,7 +476,7 @@ def explained_key_lengths(text: str) -> dict[tuple[int, str], str]:
     for line in text.split("Attention calls:")[1].split("Graphs:")[0].splitlines():
         if heading := re.match(r"  (prefill|decode)[^(]*\(q=\d+(?:, kv=([\d.]+))?", line):
             phase, shared = heading.groups()
-        elif group := re.match(r"    layers ([\d,\-]+)(?: \(.*?\))?: (?:kv=([\d.]+): )?", line):
+        elif group := re.match(r"    layers? ([\d,\-]+)(?: \(.*?\))?: (?:kv=([\d.]+): )?", line):
             for part in group.group(1).split(","):
                 first, _, last = part.partition("-")
                 for layer in range(int(first), int(last or first) + 1):

@@ -33,7 +33,8 @@ class LayerGroup:
 
     @property
     def label(self) -> str:
-        return f"layers {format_indices(self.indices)}" + (f" ({self.variant})" if self.variant else "")
+        noun = "layer" if len(self.indices) == 1 else "layers"
+        return f"{noun} {format_indices(self.indices)}" + (f" ({self.variant})" if self.variant else "")
 
 
 def attention_layer_groups(model: torch.nn.Module) -> list[LayerGroup]:
