@@ -153,24 +153,34 @@ class _Layer(torch.nn.Module):
     """Stands in for an attention layer: the attention function reads only `training` from it."""
 
 
-@pytest.mark.parametrize("mask_kind", ["bool", "float"])
-def test_attention_function_gives_zero_for_queries_that_attend_to_nothing(mask_kind):
-    """Documented output (docs/attention.md): a query whose mask row is all masked gets 0, with and without the flag."""
+@pytest.mark.parametrize("mask_kind", ["bool", "float -inf", "float lowest"])
+def test_attention_function_gives_sdpas_output_for_queries_that_attend_to_nothing(mask_kind):
+    """Documented output (docs/attention.md): a query that the mask lets attend to no key gets what PyTorch's SDPA
+    gives for the same mask, with and without the flag: zero from a boolean mask or one of -inf, the values' average
+    from a float mask's finite lowest score (transformers' eager masks, a family's own float mask), as stock's eager
+    and SDPA both give."""
     generator = torch.Generator().manual_seed(0)
     query, key, value = (torch.randn(3, heads, 5, 8, generator=generator) for heads in (4, 2, 2))
     mask = torch.ones(3, 1, 5, 5, dtype=torch.bool).tril()
     mask[1] = False  # a row whose attention mask is all zeros
     mask[2, :, :2] = False  # two left-padding query positions
-    if mask_kind == "float":
-        mask = torch.zeros(mask.shape).masked_fill(~mask, torch.finfo(torch.float32).min)
+    if mask_kind != "bool":
+        blocked = float("-inf") if mask_kind == "float -inf" else torch.finfo(torch.float32).min
+        mask = torch.zeros(mask.shape).masked_fill(~mask, blocked)
     layer = _Layer().eval()
     default, weights = attention.gaudi_attention_forward(layer, query, key, value, mask)
     flash, _ = attention.gaudi_attention_forward(layer, query, key, value, mask, use_flash_attention=True)
+    sdpa = torch.nn.functional.scaled_dot_product_attention(query, key, value, mask, enable_gqa=True)
+    torch.testing.assert_close(default, sdpa.transpose(1, 2), atol=1e-6, rtol=0)
     torch.testing.assert_close(flash, default, atol=1e-6, rtol=0)
-    assert torch.equal(default[1], torch.zeros_like(default[1]))
-    assert torch.equal(default[2, :2], torch.zeros_like(default[2, :2]))
+    nothing_to_attend = default[1], default[2, :2]
+    if mask_kind == "float lowest":  # the average of the values, on every head of the key/value head's group
+        assert torch.allclose(default[1], value[1].mean(dim=1).repeat_interleave(2, dim=0)[None], atol=1e-6)
+        assert torch.equal(weights[1], torch.full_like(weights[1], 1 / 5))
+    else:
+        assert all(torch.equal(output, torch.zeros_like(output)) for output in nothing_to_attend)
+        assert torch.equal(weights[1], torch.zeros_like(weights[1]))
     assert default[0].abs().sum() > 0 and default[2, 2:].abs().sum() > 0
-    assert torch.equal(weights[1], torch.zeros_like(weights[1]))
 
 
 def test_model_agrees_on_a_row_with_an_all_zero_attention_mask(models):

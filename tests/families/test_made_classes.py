@@ -81,8 +81,10 @@ def test_checkpoints_cross_between_the_stock_class_and_ours(model_type, tmp_path
             tmp_path / folder, attn_implementation="eager", output_loading_info=True
         )
         assert not info["missing_keys"] and not info["unexpected_keys"], info
+        real = inputs["attention_mask"].bool()  # padding positions follow each model's attention (eager's: average)
         with torch.no_grad():  # the same weights as the model of that class in memory: the same logits
-            torch.testing.assert_close(loaded.eval()(**inputs).logits, reference(**inputs).logits, msg=folder)
+            found, expected = loaded.eval()(**inputs).logits, reference(**inputs).logits
+            torch.testing.assert_close(found[real], expected[real], msg=folder)
 
 
 def test_every_gaudi_forward_has_its_stock_class_signature():

@@ -82,18 +82,22 @@ def weights_for_value_product(weights: torch.Tensor) -> torch.Tensor:
 
 
 def fully_masked_queries(attention_mask: torch.Tensor | None) -> torch.Tensor | None:
-    """True (shape `[..., q, 1]`) for the query positions whose mask lets them attend to no key at all.
+    """True (shape `[..., q, 1]`) for the query positions that PyTorch's SDPA, given this mask, answers with zero:
+    a boolean mask that lets them attend to no key, or a float mask of -inf at every key.
 
-    Such a position (left padding, or every position of a row whose attention mask is all zeros) gets a zero
-    attention output on both paths, which is what PyTorch's fused SDPA returns for it: the softmax of a fully
-    masked row would otherwise average the values uniformly on one path and give 0 (or NaN) on another. Real
-    tokens never attend to these positions, so only their own, meaningless, outputs are set.
+    Such a position (left padding, or every position of a row whose attention mask is all zeros) gets zero on both
+    paths: the default path's softmax would otherwise average the values uniformly, and Gaudi's kernel, which sees
+    an additive mask, likewise. A float mask with a finite lowest score at every key (transformers' masks for eager
+    attention, a family's own float mask: Doge's dynamic mask, a position bias) is softmaxed as given, into the
+    average of the values, as stock's eager and SDPA attention both do: that average reaches a left-padded batch's
+    training loss, through the last padding position's prediction of the first real token. Real tokens never
+    attend to these positions.
     """
     if attention_mask is None:
         return None
     if attention_mask.dtype == torch.bool:
         return ~attention_mask.any(dim=-1, keepdim=True)
-    return (attention_mask <= torch.finfo(attention_mask.dtype).min).all(dim=-1, keepdim=True)
+    return torch.isneginf(attention_mask).all(dim=-1, keepdim=True)
 
 
 def kernel_name(device: torch.device) -> str:
