@@ -138,6 +138,34 @@ def test_the_given_generation_config_carries_the_flag(monkeypatch):
     assert counts["default"] > 0 and counts["fused"] == 0  # the model's own config again
 
 
+def test_generate_batch_takes_the_flags_per_call_as_generate_does(monkeypatch):
+    """Stock `generate_batch` keeps `max_new_tokens` of its keyword arguments and drops the rest: a flag given there
+    (the README's "per call") ran the default path without a word. It overrides the given generation config's, and
+    a misspelled one is named."""
+    ours, _ = models("llama")
+    config = greedy_config()
+    with count_attention_paths(monkeypatch, profile=False) as counts:
+        outputs = ours.generate_batch(
+            inputs=prompts(),
+            generation_config=config,
+            continuous_batching_config=small_engine(),
+            use_flash_attention=True,
+        )
+    assert counts["fused"] > 0 and counts["default"] == 0
+    assert by_request(outputs) == one_by_one(ours, prompts(), use_flash_attention=True)
+    assert not hasattr(config, "use_flash_attention") or not config.use_flash_attention  # the caller's, unchanged
+    with count_attention_paths(monkeypatch, profile=False) as counts:
+        ours.generate_batch(
+            inputs=prompts(),
+            generation_config=greedy_config(use_flash_attention=True),
+            continuous_batching_config=small_engine(),
+            use_flash_attention=False,
+        )
+    assert counts["default"] > 0 and counts["fused"] == 0
+    with pytest.raises(TypeError, match="`use_flash_atention`.*did you mean `use_flash_attention`"):
+        ours.generate_batch(inputs=prompts(), generation_config=config, use_flash_atention=True)
+
+
 def test_manager_add_request_streaming_and_context_manager(monkeypatch):
     ours, _ = models("llama")
     requests = prompts()

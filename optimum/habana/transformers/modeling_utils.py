@@ -53,7 +53,7 @@ from .batch_layout import (
     prompt_is_planned,
 )
 from .cache import BucketedStaticCache
-from .continuous_batching import ChosenAttnImplementation, engine_flags, init_manager
+from .continuous_batching import ChosenAttnImplementation, engine_flags, init_manager, with_call_flags
 from .decoder_inputs import prepare_decoder_call
 from .families.lookups import attention_with_its_own_mask, family_is_windowed, family_runs_mask_free
 from .families.source_facts import decoder_path
@@ -252,6 +252,13 @@ class GaudiAttentionMixin(GaudiGenerationMixin):
         engine_generation_config = generation_config if generation_config is not None else self.generation_config
         flags = engine_flags(self.generation_config, engine_generation_config)
         return init_manager(self, flags, generation_config, continuous_batching_config, workload_hints)
+
+    def generate_batch(
+        self, inputs: list[list[int]], generation_config: GenerationConfig | None = None, *args: Any, **kwargs: Any
+    ) -> dict[str, Any]:
+        """Stock's, taking the attention flags per call as generate() does (`with_call_flags`)."""
+        generation_config = with_call_flags(generation_config, self.generation_config, kwargs)
+        return super().generate_batch(inputs, generation_config, *args, **kwargs)
 
     def _apply_attn_implementation_default(self) -> None:
         """Make a chosen attention the model's default: the flags in `generation_config` follow it."""

@@ -36,7 +36,7 @@ from transformers.generation.continuous_batching.continuous_api import (
 )
 from transformers.generation.continuous_batching.requests import RequestState
 
-from ..attention_flags import attention_flags_of
+from ..attention_flags import ATTENTION_FLAG_NAMES, attention_flags_of, check_flag_spelling
 from ..batch_layout import padding_mask_is_all_it_needs
 from ..families.cache_facts import computes_with_cached_states, writes_cache_at_own_index
 from ..families.lookups import attention_modules_of
@@ -93,6 +93,20 @@ def engine_config(
 def engine_flags(model_generation_config: Any, generation_config: Any) -> dict[str, bool]:
     """The flags of the engine's forwards: the given generation config's, then the model's."""
     return {**attention_flags_of(model_generation_config), **attention_flags_of(generation_config)}
+
+
+def with_call_flags(generation_config: Any, model_generation_config: Any, kwargs: dict[str, Any]) -> Any:
+    """`generate_batch`'s generation config with the attention flags among its keyword arguments, which stock's
+    drops (it keeps `max_new_tokens` alone): a flag given per call, as to generate(), would do nothing. A copy of
+    the given config (else the model's) with them set; the caller's is left as it was."""
+    check_flag_spelling(kwargs)
+    flags = {name: kwargs.pop(name) for name in ATTENTION_FLAG_NAMES if name in kwargs}
+    if not flags:
+        return generation_config
+    config = copy.deepcopy(generation_config if generation_config is not None else model_generation_config)
+    for name, value in flags.items():
+        setattr(config, name, value)
+    return config
 
 
 class RequestRefused(ValueError):
