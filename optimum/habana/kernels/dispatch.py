@@ -81,23 +81,23 @@ def weights_for_value_product(weights: torch.Tensor) -> torch.Tensor:
     return weights
 
 
-def fully_masked_queries(attention_mask: torch.Tensor | None) -> torch.Tensor | None:
-    """True (shape `[..., q, 1]`) for the query positions that PyTorch's SDPA, given this mask, answers with zero:
-    a boolean mask that lets them attend to no key, or a float mask of -inf at every key.
+def fully_masked_queries(attention_mask: torch.Tensor | None, floor_attends: bool = False) -> torch.Tensor | None:
+    """True (shape `[..., q, 1]`) for the query positions that get a zero output: those a mask lets attend to no key.
 
     Such a position (left padding, or every position of a row whose attention mask is all zeros) gets zero on both
-    paths: the default path's softmax would otherwise average the values uniformly, and Gaudi's kernel, which sees
-    an additive mask, likewise. A float mask with a finite lowest score at every key (transformers' masks for eager
-    attention, a family's own float mask: Doge's dynamic mask, a position bias) is softmaxed as given, into the
-    average of the values, as stock's eager and SDPA attention both do: that average reaches a left-padded batch's
-    training loss, through the last padding position's prediction of the first real token. Real tokens never
-    attend to these positions.
+    paths, as from PyTorch's SDPA with a boolean mask: the default path's softmax would otherwise average the values
+    uniformly, and Gaudi's kernel, which sees an additive mask, likewise. Real tokens never attend to these positions,
+    but a left-padded batch's loss scores the last one's prediction of the first real token. With `floor_attends`, a
+    float mask's row of the same finite lowest score at every key is softmaxed as given, into the values' average, as
+    stock's eager and SDPA attention both compute it; only a row of -inf is zero, as from SDPA.
     """
     if attention_mask is None:
         return None
     if attention_mask.dtype == torch.bool:
         return ~attention_mask.any(dim=-1, keepdim=True)
-    return torch.isneginf(attention_mask).all(dim=-1, keepdim=True)
+    if floor_attends:
+        return torch.isneginf(attention_mask).all(dim=-1, keepdim=True)
+    return (attention_mask <= torch.finfo(attention_mask.dtype).min).all(dim=-1, keepdim=True)
 
 
 def kernel_name(device: torch.device) -> str:

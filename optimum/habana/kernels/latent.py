@@ -32,12 +32,14 @@ def absorbed_latent_sdpa(
     scale: float,
     dropout_p: float = 0.0,
     sinks: torch.Tensor | None = None,
+    floor_attends: bool = False,
 ) -> torch.Tensor:
     """Attention of query `[B, H, q, nope + rope]` over the compressed cache: latent `[B, 1, kv, L]`, rotary key
     `[B, 1, kv, rope]`; `up_projection` is `kv_b_proj.weight`, `[H * (nope + v), L]`. Returns `[B, H, q, v]`.
 
     `attn_mask`: boolean (True = attend) or additive, broadcastable to `[B, H, q, kv]`. A query that may attend to
-    no key gets a zero output, as everywhere in this library. `sinks` (one logit per head, `[H]`, or per head and
+    no key gets a zero output, or with `floor_attends` the values' average from a float mask's finite lowest scores
+    (`dispatch.fully_masked_queries`). `sinks` (one logit per head, `[H]`, or per head and
     row) join each row's softmax, without a column added to the scores."""
     batch, heads, q_len, _ = query.shape
     kv_len, latent_size, rope = latent.shape[2], latent.shape[3], rotary_key.shape[3]
@@ -66,7 +68,7 @@ def absorbed_latent_sdpa(
         exponentials = torch.exp(scores - peak)
         weights = exponentials / (exponentials.sum(dim=-1, keepdim=True) + torch.exp(sink - peak))
     weights = weights.to(query.dtype)
-    masked_rows = fully_masked_queries(attn_mask)
+    masked_rows = fully_masked_queries(attn_mask, floor_attends)
     if masked_rows is not None:
         weights = weights.masked_fill(masked_rows, 0.0)
     weights = F.dropout(weights, p=dropout_p, training=dropout_p > 0.0)

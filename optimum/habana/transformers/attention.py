@@ -41,7 +41,7 @@ from .batch_layout import paged_segments
 from .families.lookups import family_is_windowed
 from .latent_attention import absorbable_up_projection, expanded, receives_compressed_latent
 from .paged_attention import check_cache_geometry, paged_step_in_place
-from .planned_masks import is_real_keys_only, planned_mask, prompt_mask, scored_mask
+from .planned_masks import blocked_float_rows_attend, is_real_keys_only, planned_mask, prompt_mask, scored_mask
 
 
 ATTENTION_IMPLEMENTATION = "gaudi"
@@ -75,13 +75,9 @@ def gaudi_attention_forward(
     attention_mask: torch.Tensor | None,
     **kwargs,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The attention transformers' interface calls: query `[B, H, q, D]`, key/value `[B, Hkv, kv, D]`; returns
-    `([B, q, H, D], weights)` (`attention_forward`).
-
-    Latent attention's layers in a Gaudi model hand over their compressed cache instead of keys and values
-    (`latent_attention.py`): a step that absorbs the up-projection attends over it as it lies; any other call gets
-    the family's own expansion first.
-    """
+    """The attention transformers' interface calls (`attention_forward`). Latent attention's layers in a Gaudi model
+    hand over their compressed cache instead of keys and values (`latent_attention.py`): a step that absorbs the
+    up-projection attends over it as it lies; any other call gets the family's own expansion first."""
     if receives_compressed_latent(module):
         output = absorbed_latent_attention(module, query, key, value, attention_mask, kwargs)
         if output is not None:
@@ -180,6 +176,7 @@ def attention_forward(
     if segments is not None:
         key, value = key[:, :, : segments.key_ids.shape[1]], value[:, :, : segments.key_ids.shape[1]]
     per_row_sinks = sinks is not None and sinks.dim() > 1
+    floor_attends = blocked_float_rows_attend(module, position_bias is not None or selected_keys is not None)
     if position_bias is not None or selected_keys is not None or (per_row_sinks and (padded_prompt or segments)):
         # A bias per score, the keys an indexer selected per query, or sinks per row: the family's own attention
         # reads them as a dense mask, and so do both paths here (the plan's layout becomes that mask).
@@ -213,7 +210,7 @@ def attention_forward(
             try:
                 output = flash_attention(
                     module, query, key, value, attention_mask, scaling, dropout, flags, sliding_window, is_causal,
-                    padded_prompt, segments, sinks, (window, chunk), decode_rows,
+                    padded_prompt, segments, sinks, (window, chunk), decode_rows, floor_attends,
                 )  # fmt: skip
                 if padding_queries is not None:
                     output = output.masked_fill(padding_queries, 0.0)
@@ -234,6 +231,7 @@ def attention_forward(
         softcap=softcap,
         is_causal=is_causal is not False,
         sinks=sinks,
+        floor_attends=floor_attends,
     )
 
 
@@ -281,7 +279,7 @@ def absorbed_latent_attention(
     output = absorbed_latent_sdpa(
         query, latent, rotary_key, up_projection, mask,
         scale=query.shape[-1] ** -0.5 if scaling is None else scaling,
-        sinks=sinks,
+        sinks=sinks, floor_attends=blocked_float_rows_attend(module, selected_keys is not None),
     )  # fmt: skip
     return output.transpose(1, 2).contiguous()
 
@@ -362,11 +360,12 @@ def flash_attention(
     sinks: torch.Tensor | None = None,
     local: tuple[int | None, int | None] = (None, None),
     decode_rows: bool = False,
+    floor_attends: bool = False,
 ) -> torch.Tensor:
     """Choose the kernel and its arguments for this call; returns `[B, H, q, Dv]`. `local`: the layer's window and
     chunk, for a planned prompt longer than them. `decode_rows`: a continuous-batching step of one new token per
     sequence, whose query rows are decode steps (a step with a prompt chunk among them is a prefill: the kernel takes
-    one softmax mode per call)."""
+    one softmax mode per call). `floor_attends`: `planned_masks.blocked_float_rows_attend`."""
     is_prefill = query.shape[2] > 1 and not decode_rows
     dropout = dropout if module.training else 0.0
     # Recomputation trades compute for memory where there is memory to save: prefill and training.
@@ -401,7 +400,7 @@ def flash_attention(
         q_len = query.shape[2]
         return fused_sdpa(query, key[:, :, :q_len], value[:, :, :q_len], None, is_causal=True, **options)
     output = fused_sdpa(query, key, value, attention_mask, is_causal=False, **options)
-    masked = fully_masked_queries(attention_mask)
+    masked = fully_masked_queries(attention_mask, floor_attends)
     return output if masked is None else output.masked_fill(masked, 0.0)
 
 
@@ -417,6 +416,7 @@ def matmul_softmax_attention(
     softcap: float | None = None,
     is_causal: bool = True,
     sinks: torch.Tensor | None = None,
+    floor_attends: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The default path: `softmax(cap(Q Kᵀ * scale) + mask) V`, with the full score matrix.
 
@@ -452,7 +452,7 @@ def matmul_softmax_attention(
     probabilities = nn.functional.softmax(scores, dim=-1, dtype=softmax_dtype).to(query.dtype)
     if sinks is not None:
         probabilities = probabilities[..., :-1]
-    masked = fully_masked_queries(attention_mask)
+    masked = fully_masked_queries(attention_mask, floor_attends)
     if masked is not None:
         probabilities = probabilities.masked_fill(masked, 0.0)
     probabilities = nn.functional.dropout(probabilities, p=dropout, training=dropout > 0.0)

@@ -9,6 +9,7 @@ rows) get the mask transformers would have built, from the plan, here.
 import torch
 
 from ..kernels.variable_length import PaddedPrompt, Segments, segment_mask
+from .families.lookups import family_runs_mask_free
 
 
 def planned_mask(
@@ -103,3 +104,14 @@ def causal_padding_mask(valid_sequence_lengths: torch.Tensor, q_len: int, paddin
 
 
 __all__ = ["causal_padding_mask", "is_real_keys_only", "planned_mask", "prompt_mask", "scored_mask"]
+
+
+def blocked_float_rows_attend(module: torch.nn.Module, scored: bool) -> bool:
+    """Whether a float mask's fully blocked row (every key at the lowest finite score) averages the values here, as
+    stock's eager and SDPA attention compute it, or is zero (`dispatch.fully_masked_queries`). Where the flag plans a
+    family's padded prompt, the plan's rows are zero, and the default path zeroes them too, so that the flag changes
+    no output (a left-padded batch's loss reads one). Where every call reads the same mask with the flag and without
+    it, the family's masks (Doge's dynamic one), a position bias or an indexer's selection (`scored`, a float mask
+    built here for both paths), or a module of no served family, the row is stock's."""
+    config = getattr(module, "config", None)
+    return scored or config is None or not family_runs_mask_free(config.model_type)
