@@ -417,4 +417,5 @@ __all__ = [
     "request_problem",
     "room_in_context",
     "steps_run_mask_free",
+    "with_call_flags",
 ]
