@@ -103,9 +103,6 @@ def causal_padding_mask(valid_sequence_lengths: torch.Tensor, q_len: int, paddin
     return (causal[None] & real[:, None, :])[:, None]
 
 
-__all__ = ["causal_padding_mask", "is_real_keys_only", "planned_mask", "prompt_mask", "scored_mask"]
-
-
 def blocked_float_rows_attend(module: torch.nn.Module, scored: bool) -> bool:
     """Whether a float mask's fully blocked row (every key at the lowest finite score) averages the values here, as
     stock's eager and SDPA attention compute it, or is zero (`dispatch.fully_masked_queries`). Where the flag plans a
@@ -115,3 +112,13 @@ def blocked_float_rows_attend(module: torch.nn.Module, scored: bool) -> bool:
     built here for both paths), or a module of no served family, the row is stock's."""
     config = getattr(module, "config", None)
     return scored or config is None or not family_runs_mask_free(config.model_type)
+
+
+__all__ = [
+    "blocked_float_rows_attend",
+    "causal_padding_mask",
+    "is_real_keys_only",
+    "planned_mask",
+    "prompt_mask",
+    "scored_mask",
+]
