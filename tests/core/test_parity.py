@@ -182,12 +182,12 @@ def test_attention_function_gives_queries_that_attend_to_nothing_stocks_output_o
     real = default[0], default[2, 2:]
     sdpa = torch.nn.functional.scaled_dot_product_attention(query, key, value, mask, enable_gqa=True).transpose(1, 2)
     torch.testing.assert_close(torch.cat(real), torch.cat([sdpa[0], sdpa[2, 2:]]), atol=1e-6, rtol=0)
-    nothing_to_attend = default[1], default[2, :2]
     if mask_kind == "float lowest" and layer_class is _Layer:  # the average, on every head of the key/value group
         torch.testing.assert_close(default, sdpa, atol=1e-6, rtol=0)
         assert torch.allclose(default[1], value[1].mean(dim=1).repeat_interleave(2, dim=0)[None], atol=1e-6)
         assert torch.equal(weights[1], torch.full_like(weights[1], 1 / 5))
     else:
+        nothing_to_attend = default[1], default[2, :2]
         assert all(torch.equal(output, torch.zeros_like(output)) for output in nothing_to_attend)
         assert torch.equal(weights[1], torch.zeros_like(weights[1]))
 

@@ -20,18 +20,19 @@ LENGTHS = [12, 5, 9]  # a left-padded batch, longer than the tiny windows and ch
 LOGITS_TOLERANCE = 1e-4  # at every step, as at the prompt's real positions: fp32 against stock eager
 
 
-def family_pair(model_type: str, **overrides) -> tuple[PreTrainedModel, PreTrainedModel]:
-    """The Gaudi model and the stock eager model of a family, with the same random weights, in eval mode."""
+def family_pair(
+    model_type: str, reference_attention: str | None = "eager", **overrides
+) -> tuple[PreTrainedModel, PreTrainedModel]:
+    """The Gaudi model and the stock model of a family, with the same random weights, in eval mode: stock eager, or
+    with `reference_attention=None` the attention the config names by default (SDPA where the class has it)."""
     gaudi_class = gaudi_model_class(model_type)
     stock = next(cls for cls in gaudi_class.__mro__ if cls.__module__.startswith("transformers."))
     config_class = gaudi_class.config_class
     torch.manual_seed(0)
     ours = gaudi_class(tiny_family_config(model_type, config_class, initializer_range=0.1, **overrides)).eval()
     with_attention_that_matters(ours, model_type)
-    eager = tiny_family_config(
-        model_type, config_class, initializer_range=0.1, attn_implementation="eager", **overrides
-    )
-    reference = stock(eager)
+    attention = {"attn_implementation": reference_attention} if reference_attention else {}
+    reference = stock(tiny_family_config(model_type, config_class, initializer_range=0.1, **attention, **overrides))
     reference.load_state_dict(ours.state_dict())
     return ours, reference.eval()
 

@@ -23,7 +23,7 @@ from optimum.habana.transformers.families.qualification import SOFTCAP
 from optimum.habana.transformers.latent_attention import receives_compressed_latent
 from optimum.habana.transformers.models import family_table
 from tests.families.support import LENGTHS, NEW_TOKENS, assert_same_steps, family_pair, greedy
-from tests.families.tiny_configs import tiny_family_config, without_dropout
+from tests.families.tiny_configs import without_dropout
 from tests.helpers import count_context_cuts, count_decode_kernel_calls, left_padded_batch, record_absorbed_rows
 
 
@@ -45,9 +45,9 @@ def one_model_type_per_class() -> list[str]:
 FAMILY_TYPES = one_model_type_per_class()
 
 
-def training_pair(model_type: str):
+def training_pair(model_type: str, reference_attention: str | None = "eager"):
     config_class = gaudi_model_class(model_type).config_class
-    ours, stock = family_pair(model_type, **without_dropout(config_class))
+    ours, stock = family_pair(model_type, reference_attention, **without_dropout(config_class))
     # A random model keeps a zero embedding row at the padding id (nn.Embedding's padding_idx), as checkpoints may:
     # the padding rows' hidden states start exactly at zero, where Gemma 3n's epsilon-free magnitude
     # (`mean(h ** 2) ** 0.5`) once gave NaN gradients with the flag (the fused path zeroed those rows' attention).
@@ -237,13 +237,7 @@ def test_left_padded_training_step_gives_the_same_loss_with_the_flag_and_stocks_
     mask, or the values' average from a float mask that every call reads, flag or not (Doge's dynamic mask,
     Inkling's position bias, a family never planned). An eager-only family whose padded prompts the flag plans
     (Gemma 2) keeps the plan's zero, where stock eager averages (docs/drop_in.md)."""
-    ours, _ = training_pair(model_type)
-    config_class = gaudi_model_class(model_type).config_class
-    stock_class = next(cls for cls in type(ours).__mro__ if cls.__module__.startswith("transformers."))
-    config = tiny_family_config(model_type, config_class, initializer_range=0.1, **without_dropout(config_class))
-    stock = stock_class(config)  # what family_pair builds, with the attention the config names by default
-    stock.load_state_dict(ours.state_dict())
-    stock.train()
+    ours, stock = training_pair(model_type, reference_attention=None)  # the stock default attention
     inputs = left_padded_batch(LENGTHS, seed=1)
     labels = inputs["input_ids"].masked_fill(inputs["attention_mask"] == 0, -100)
     default_path = ours(**inputs, labels=labels, use_cache=False).loss
