@@ -17,7 +17,8 @@ its products' floor (the work of attending over the compressed cache at the rate
 the bound (weights and cache read once), the memory its cache holds against what its tokens need, the most memory
 its steps needed above that, and whether its tokens equal the default path's. With `--continuous_batching`, rows for
 the same prompts served by transformers' continuous-batching engine over its paged cache
-(`optimum.habana.cli.benchmarks.paged_decode`). docs/benchmarks.md shows the measured tables.
+(`optimum.habana.cli.benchmarks.paged_decode`). `--dtype bfloat16` runs every path, its cache and the read probe in
+bfloat16. docs/benchmarks.md shows the measured tables.
 """
 
 import argparse
@@ -50,6 +51,9 @@ from optimum.habana.cli.benchmarks.models import PRESETS, ModelSpec, resolve_che
 from optimum.habana.cli.common import check_environment, exit_on_interrupt_or_oom
 from optimum.habana.utils.devices import model_size_bytes
 from optimum.habana.utils.model_loading import DEFAULT_MODEL_NAME, ModelResolutionError
+
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def shape(text: str) -> tuple[int, int]:
@@ -111,6 +115,12 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
         "through the engine (about 35 s at 1 x 8192 on 2 cores).",
     )
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--dtype",
+        choices=sorted(DTYPES),
+        default="float32",
+        help="The weights', activations' and cache's type on every path (default float32).",
+    )
     parser.add_argument("--threads", type=int, default=None, help="Torch threads (default: torch's).")
     arguments = parser.parse_args(argv)
     check_environment(parser.prog)
@@ -136,7 +146,7 @@ def main(argv: list[str] | None = None, control_malloc: bool = False) -> int:
     if arguments.threads:
         torch.set_num_threads(arguments.threads)
     spec = ModelSpec(arguments.model_name_or_path, arguments.preset_layers, arguments.preset_intermediate_size)
-    dtype, device = torch.float32, torch.device("cpu")
+    dtype, device = DTYPES[arguments.dtype], torch.device("cpu")
     paths = decode_paths(spec, dtype, arguments.seed, arguments.pytorch_kernel, arguments.whole_context)
     config = paths[0].model.config
     per_token = kv_bytes_per_token(config, dtype)
@@ -144,7 +154,7 @@ def main(argv: list[str] | None = None, control_malloc: bool = False) -> int:
     probe = ReadProbe(device, dtype)
     read_rate = probe.rate()
     print(
-        f"{spec.label}, fp32, {torch.get_num_threads()} threads; read rate of a batch-1 linear layer: "
+        f"{spec.label}, {arguments.dtype}, {torch.get_num_threads()} threads; read rate of a batch-1 linear layer: "
         f"{read_rate / 1e9:.1f} GB/s; weights {weights / MIB:.0f} MiB; keys and values {per_token:,} bytes a token; "
         f"cache {'random' if arguments.random_cache else 'prefilled'}"
     )

@@ -37,6 +37,29 @@ def test_every_path_decodes_the_same_tokens_from_the_same_cache(capsys):
     assert "the whole step (wall clock)" in out and "outside any operator (Python)" in out
 
 
+def test_every_path_runs_in_the_dtype_asked_for(capsys, monkeypatch):
+    """`--dtype bfloat16`: every path's model, its cache and the read probe in bfloat16, as the header says."""
+    script = load_script(SCRIPT)
+    built, decode_paths = [], script.decode_paths
+
+    def recorded_paths(*args, **kwargs):
+        built.extend(decode_paths(*args, **kwargs))
+        return built
+
+    monkeypatch.setattr(script, "decode_paths", recorded_paths)
+    argv = [*SMALL, "--shapes", "1x96", "--steps", "2", "--rounds", "1", "--dtype", "bfloat16"]
+    assert script.main(argv) == 0
+    out = capsys.readouterr().out
+    assert ", bfloat16, " in out and "keys and values 768 bytes a token" in out  # fp32: 1,536 (3 heads of 64, K+V)
+    assert {parameter.dtype for path in built for parameter in path.model.parameters()} == {torch.bfloat16}
+    assert [row[1] for row in table_rows(out) if row[0] == "1 x 96"] == [
+        "flag",
+        "default",
+        "stock sdpa",
+        "stock eager",
+    ]
+
+
 def test_the_pytorch_kernel_and_whole_context_rows_are_the_flag_without_the_kernel_and_the_cut(capsys, monkeypatch):
     """Two threads over SmolLM2's three key/value heads, cut whenever they would idle: the flag's one-sequence decode
     steps run on the decode kernel, the PyTorch-kernel row's are cut in two, the whole-context row's are neither,
@@ -130,7 +153,9 @@ def test_continuous_batching_rows_need_real_prompts():
     assert exit_info.value.code == 2
 
 
-@pytest.mark.parametrize("argv", [["--shapes", "1x32"], ["--shapes", "0x512"], ["--steps", "0"], ["--profile", "x"]])
+@pytest.mark.parametrize(
+    "argv", [["--shapes", "1x32"], ["--shapes", "0x512"], ["--steps", "0"], ["--profile", "x"], ["--dtype", "float64"]]
+)
 def test_bad_arguments_are_usage_errors(argv):
     with pytest.raises(SystemExit) as exit_info:
         load_script(SCRIPT).main(argv)
