@@ -71,22 +71,28 @@ def test_bfloat16_absorbed_attention_is_the_expanded_attention_within_its_roundi
     torch.testing.assert_close(found.float(), expected.transpose(1, 2), rtol=2e-2, atol=2e-2)
 
 
-def test_a_half_precision_step_on_cpu_copies_no_head_of_the_up_projection():
-    """PyTorch's CPU product in half precision (oneDNN) copies a batch of matrices that do not lie back to back: each
-    head's key rows, between its value rows, were copied whole at every decode step (80% of DeepSeek-V3's bfloat16
-    step). The geometry is the smallest at which that copy happens."""
-    heads, nope, rope, latent_size, value_size = 8, 32, 16, 64, 32
+def test_a_half_precision_step_on_cpu_copies_neither_the_up_projection_nor_the_cache():
+    """PyTorch's CPU products in half precision (oneDNN) copy an operand whose matrices do not lie back to back or
+    lie transposed: each head's key rows of the up-projection (between its value rows), and a batch's latents and
+    rotary keys in a cache whose storage is longer than its tokens, were copied whole at every decode step. The
+    geometry is about the smallest at which those copies happen."""
+    heads, nope, rope, latent_size, value_size, tokens, capacity = 8, 32, 16, 64, 32, 40, 48
     generator = torch.Generator().manual_seed(3)
     query = torch.randn(2, heads, 1, nope + rope, generator=generator)
-    latent = torch.randn(2, 1, 40, latent_size, generator=generator)
-    rotary_key = torch.randn(2, 1, 40, rope, generator=generator)
+    latent = torch.randn(2, 1, capacity, latent_size, generator=generator)[:, :, :tokens]
+    rotary_key = torch.randn(2, 1, capacity, rope, generator=generator)[:, :, :tokens]
     up_projection = torch.randn(heads * (nope + value_size), latent_size, generator=generator) / latent_size**0.5
     expected = absorbed_latent_sdpa(query, latent, rotary_key, up_projection, None, scale=0.1)
-    halves = [tensor.bfloat16() for tensor in (query, latent, rotary_key, up_projection)]
+    halves = [tensor.bfloat16() for tensor in (query, up_projection)]
+    cache = [torch.empty(2, 1, capacity, tensor.shape[-1], dtype=torch.bfloat16) for tensor in (latent, rotary_key)]
+    for storage, tensor in zip(cache, (latent, rotary_key), strict=True):
+        storage[:, :, :tokens] = tensor
+    latent_half, rotary_half = (storage[:, :, :tokens] for storage in cache)
     with torch.profiler.profile(record_shapes=True) as profile:
-        found = absorbed_latent_sdpa(*halves, None, scale=0.1)
+        found = absorbed_latent_sdpa(halves[0], latent_half, rotary_half, halves[1], None, scale=0.1)
     copied = [event.input_shapes[0] for event in profile.events() if event.name == "aten::copy_"]
-    assert all(math.prod(shape) < heads * nope * latent_size for shape in copied), copied
+    # The smallest of them, the rotary keys, against the scores' own casts (2 x 8 heads x 40 keys)
+    assert all(math.prod(shape) < rotary_half.numel() for shape in copied), copied
     torch.testing.assert_close(found.float(), expected, rtol=2e-2, atol=2e-2)
 
 

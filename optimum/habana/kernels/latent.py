@@ -51,8 +51,8 @@ def absorbed_latent_sdpa(
     query_latent = through_key_up(head_rows, per_head, nope).view(heads, batch, q_len, latent_size).transpose(0, 1)
     query_latent = query_latent.reshape(batch, heads * q_len, latent_size)
     # Every head's rows against the one latent head: [B, H * q, L] @ [B, L, kv], the rotary part added.
-    rotary_scores = torch.matmul(query_rot.reshape(batch, heads * q_len, rope), rotary_key[:, 0].transpose(1, 2))
-    scores = torch.baddbmm(rotary_scores, query_latent, latent[:, 0].transpose(1, 2), beta=scale, alpha=scale)
+    query_rot = query_rot.reshape(batch, heads * q_len, rope)
+    scores = cache_scores(query_latent, query_rot, latent[:, 0], rotary_key[:, 0], scale)
     scores = scores.view(batch, heads, q_len, kv_len)
     if attn_mask is not None and attn_mask.dtype == torch.bool:
         scores = scores.masked_fill(~attn_mask, torch.finfo(scores.dtype).min)
@@ -72,35 +72,62 @@ def absorbed_latent_sdpa(
         weights = weights.masked_fill(masked_rows, 0.0)
     weights = F.dropout(weights, p=dropout_p, training=dropout_p > 0.0)
     weights = weights_for_value_product(weights.view(batch, heads * q_len, kv_len))
-    output_latent = torch.bmm(weights, latent[:, 0])  # [B, H * q, L]
+    output_latent = weighted_latents(weights, latent[:, 0])  # [B, H * q, L]
     output_rows = output_latent.view(batch, heads, q_len, latent_size).transpose(0, 1).reshape(heads, -1, latent_size)
     output = through_value_up(output_rows, per_head, nope)  # [H, B * q, v]
     return output.view(heads, batch, q_len, -1).transpose(0, 1)
 
 
-def splits_by_copy(per_head: torch.Tensor) -> bool:
-    """Whether a batched product would copy a head's key or value rows of `per_head` (`[H, nope + v, L]`) first: on
-    CPU in half precision PyTorch's product (oneDNN) takes only batches of matrices that lie back to back, which
-    each head's key rows, between its value rows, do not. Those copies of the up-projection were most of a DeepSeek-V3
-    layer's absorbed bfloat16 step (an Intel Xeon with AMX, 2 threads: 9.3 -> 5.1 ms at 2048 tokens, 17.1 -> 9.0 ms
-    at 8192); elsewhere (float32 on CPU, CUDA) a batch's stride costs no copy."""
-    return per_head.device.type == "cpu" and per_head.dtype in (torch.bfloat16, torch.float16)
+def copies_batched_operands(tensor: torch.Tensor) -> bool:
+    """Whether PyTorch's batched products copy an operand whose matrices do not lie back to back, or lie transposed,
+    before multiplying: on CPU in half precision (oneDNN) they do; in float32 on CPU, and on CUDA, a batch's strides
+    cost no copy. Measured on an Intel Xeon with AMX, 2 threads, in bfloat16: DeepSeek-V3's up-projection (each
+    head's key rows lie between its value rows) took most of a layer's absorbed step, 9.3 -> 5.1 ms at 2048 tokens
+    and 17.1 -> 9.0 ms at 8192 without the copies; and a batch of 4 sequences in a `GrowingCache` (its storage
+    longer than the tokens) copied its whole latent cache twice a step, and its rotary keys once (10.0 -> 2.8 ms
+    for the scores at 2048 tokens, 2.5 -> 1.7 ms for the weighted sum)."""
+    return tensor.device.type == "cpu" and tensor.dtype in (torch.bfloat16, torch.float16)
+
+
+def cache_scores(
+    query_latent: torch.Tensor, query_rot: torch.Tensor, latent: torch.Tensor, rotary_key: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """`scale` x the rows `[B, M, L]` and `[B, M, rope]` against the cached latents `[B, kv, L]` and rotary keys
+    `[B, kv, rope]`: `[B, M, kv]`. Where a batched product would copy the cache (`copies_batched_operands`), one
+    product per sequence reads each as it lies."""
+    if copies_batched_operands(latent):
+        return torch.stack(
+            [
+                torch.addmm(rows_rot @ keys.T, rows, latents.T, beta=scale, alpha=scale)
+                for rows, rows_rot, latents, keys in zip(query_latent, query_rot, latent, rotary_key, strict=True)
+            ]
+        )
+    rotary_scores = torch.matmul(query_rot, rotary_key.transpose(1, 2))
+    return torch.baddbmm(rotary_scores, query_latent, latent.transpose(1, 2), beta=scale, alpha=scale)
+
+
+def weighted_latents(weights: torch.Tensor, latent: torch.Tensor) -> torch.Tensor:
+    """The weights `[B, M, kv]` times the cached latents `[B, kv, L]`: `[B, M, L]`, one product per sequence where a
+    batched one would copy the cache (`copies_batched_operands`)."""
+    if copies_batched_operands(latent):
+        return torch.stack([rows @ latents for rows, latents in zip(weights, latent, strict=True)])
+    return torch.bmm(weights, latent)
 
 
 def through_key_up(head_rows: torch.Tensor, per_head: torch.Tensor, nope: int) -> torch.Tensor:
     """`[H, M, nope]` rows through each head's key up-projection: `[H, M, L]`. Where the key rows' slice would be
-    copied (`splits_by_copy`), the rows take zeros for the value part and meet each head's whole block instead:
+    copied (`copies_batched_operands`), the rows take zeros for the value part and meet each head's whole block instead:
     twice the bytes read, nothing copied, the same products (the zeros add exactly nothing)."""
-    if splits_by_copy(per_head):
+    if copies_batched_operands(per_head):
         return torch.bmm(F.pad(head_rows, (0, per_head.shape[1] - nope)), per_head)
     return torch.bmm(head_rows, per_head[:, :nope])
 
 
 def through_value_up(output_rows: torch.Tensor, per_head: torch.Tensor, nope: int) -> torch.Tensor:
     """`[H, M, L]` latent outputs through each head's value up-projection: `[H, M, v]`. Where the value rows' slice
-    would be copied (`splits_by_copy`), each head's whole block multiplies the outputs and the value rows of the
+    would be copied (`copies_batched_operands`), each head's whole block multiplies the outputs and the value rows of the
     product are kept: the key rows' products are computed and dropped, nothing copied."""
-    if splits_by_copy(per_head):
+    if copies_batched_operands(per_head):
         return torch.bmm(per_head, output_rows.transpose(1, 2))[:, nope:].transpose(1, 2)
     return torch.bmm(output_rows, per_head[:, nope:].transpose(1, 2))
 
