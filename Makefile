@@ -5,7 +5,7 @@ PYTHON ?= python3
 TORCH ?= torch==2.13.0
 PYTEST_WORKERS ?= 2
 
-.PHONY: install test test-families quality style benchmark
+.PHONY: install test test-families quality style benchmark cuda-wheels
 
 install:
 	$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install "$(TORCH)"
@@ -23,6 +23,11 @@ FAMILY_TESTS = tests/families tests/core/test_graph_capture.py tests/core/test_c
 
 test-families:
 	$(PYTHON) -m pytest -n $(PYTEST_WORKERS) -m families $(FAMILY_TESTS)
+
+# What .ci/cuda-check installs on a lent GPU machine, which reaches no package index: this package's transformers
+# (the machine's image has an older one) and the test helpers' gguf. Carry .cuda-wheels with the run.
+cuda-wheels:
+	$(PYTHON) -m pip download --no-deps --dest .cuda-wheels "transformers$$($(PYTHON) -c "from optimum.habana.version import TRANSFORMERS_REQUIREMENT as r; print(r)")" gguf
 
 quality:
 	$(PYTHON) -m ruff check .
