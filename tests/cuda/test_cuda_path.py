@@ -13,7 +13,7 @@ from torch._dynamo.utils import counters
 from transformers import CompileConfig, LlamaConfig
 
 from optimum.habana import gaudi_model_class
-from tests.core.test_continuous_batching import by_request, greedy_config, one_by_one, prompts, small_engine
+from tests.core.test_continuous_batching import one_by_one, prompts, served_with_the_flag
 from tests.families.support import LENGTHS, assert_same_steps, family_pair, greedy
 from tests.helpers import left_padded_batch
 
@@ -88,13 +88,7 @@ def test_continuous_batching_serves_each_request_its_own_generate_tokens():
     ours, _ = family_pair("llama")
     ours = ours.to(DEVICE)
     requests = prompts() + [[5]]  # a one-token prompt beside longer ones
-    expected = one_by_one(ours, requests)
-    outputs = ours.generate_batch(
-        inputs=requests,
-        generation_config=greedy_config(use_flash_attention=True),
-        continuous_batching_config=small_engine(),
-    )
-    assert by_request(outputs) == expected
+    assert served_with_the_flag(ours, requests) == one_by_one(ours, requests)
 
 
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="reads the CUDA allocator's peak")
