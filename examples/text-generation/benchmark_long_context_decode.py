@@ -18,7 +18,7 @@ the bound (weights and cache read once), the memory its cache holds against what
 its steps needed above that, and whether its tokens equal the default path's. With `--continuous_batching`, rows for
 the same prompts served by transformers' continuous-batching engine over its paged cache
 (`optimum.habana.cli.benchmarks.paged_decode`). `--dtype bfloat16` runs every path, its cache and the read probe in
-bfloat16. docs/benchmarks.md shows the measured tables.
+bfloat16; `--device cuda` runs them on a GPU. docs/benchmarks.md shows the measured tables.
 """
 
 import argparse
@@ -63,6 +63,12 @@ def shape(text: str) -> tuple[int, int]:
             f"{text!r} is not BATCHxCONTEXT with a batch of at least 1 and a context above {BASE_CONTEXT} tokens"
         )
     return int(batch), int(context)
+
+
+def where(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"{torch.get_num_threads()} threads"
 
 
 def say(*words: str) -> None:
@@ -116,6 +122,13 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        default="cpu",
+        help="Where every path runs (default cpu). On cuda the flag runs PyTorch's CUDA kernels: the CPU decode "
+        "kernel's rows (--pytorch_kernel, --whole_context) do not apply.",
+    )
+    parser.add_argument(
         "--dtype",
         choices=sorted(DTYPES),
         default="float32",
@@ -127,6 +140,13 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
     for name in ("steps", "rounds", "preset_layers", "preset_intermediate_size"):
         if getattr(arguments, name) < 1:
             parser.error(f"--{name} must be at least 1, got {getattr(arguments, name)}.")
+    if arguments.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: PyTorch sees no CUDA device here (torch.cuda.is_available() is False).")
+    if arguments.device == "cuda" and (arguments.pytorch_kernel or arguments.whole_context):
+        parser.error(
+            "--pytorch_kernel and --whole_context compare the CPU decode kernel and its context cut: drop them with "
+            "--device cuda."
+        )
     if arguments.threads is not None and arguments.threads < 1:
         parser.error(f"--threads must be at least 1, got {arguments.threads} (leave it out for torch's own count).")
     if arguments.model_name_or_path not in PRESETS:
@@ -146,15 +166,15 @@ def main(argv: list[str] | None = None, control_malloc: bool = False) -> int:
     if arguments.threads:
         torch.set_num_threads(arguments.threads)
     spec = ModelSpec(arguments.model_name_or_path, arguments.preset_layers, arguments.preset_intermediate_size)
-    dtype, device = DTYPES[arguments.dtype], torch.device("cpu")
-    paths = decode_paths(spec, dtype, arguments.seed, arguments.pytorch_kernel, arguments.whole_context)
+    dtype, device = DTYPES[arguments.dtype], torch.device(arguments.device)
+    paths = decode_paths(spec, dtype, arguments.seed, arguments.pytorch_kernel, arguments.whole_context, device)
     config = paths[0].model.config
     per_token = kv_bytes_per_token(config, dtype)
     weights = model_size_bytes(paths[0].model)
     probe = ReadProbe(device, dtype)
     read_rate = probe.rate()
     print(
-        f"{spec.label}, {arguments.dtype}, {torch.get_num_threads()} threads; read rate of a batch-1 linear layer: "
+        f"{spec.label}, {arguments.dtype}, {where(device)}; read rate of a batch-1 linear layer: "
         f"{read_rate / 1e9:.1f} GB/s; weights {weights / MIB:.0f} MiB; keys and values {per_token:,} bytes a token; "
         f"cache {'random' if arguments.random_cache else 'prefilled'}"
     )
@@ -192,7 +212,7 @@ def main(argv: list[str] | None = None, control_malloc: bool = False) -> int:
             kv_read = batch * context * per_token / read_rate
             # Latent attention over its compressed cache is bound by its products, not by the read: their floor.
             products = batch * context * absorbed_products_per_token(config)
-            products_floor = products / absorbed_product_rate(config, context, dtype) if products else None
+            products_floor = products / absorbed_product_rate(config, context, dtype, device) if products else None
             bound = batch * read_rate / (weights + batch * context * per_token)
             needed = batch * (context + arguments.steps) * per_token
             for name, timing in timings.items():

@@ -163,24 +163,34 @@ def test_bad_arguments_are_usage_errors(argv):
 
 
 @pytest.mark.parametrize(
-    ("argv", "words"),
+    ("argv", "cuda_visible", "words"),
     [
-        (["--threads", "0"], "--threads must be at least 1, got 0"),
-        (["--threads", "-1"], "--threads must be at least 1, got -1"),
+        (["--threads", "0"], False, "--threads must be at least 1, got 0"),
+        (["--threads", "-1"], False, "--threads must be at least 1, got -1"),
         (
             ["--model_name_or_path", "gpt-oss-20-attn"],
+            False,
             "did you mean 'gpt-oss-20b-attn'? The presets are llama2-7b-attn",
         ),
-        (["--model_name_or_path", "missing/folder/"], "The path 'missing/folder/' does not exist"),
+        (["--model_name_or_path", "missing/folder/"], False, "The path 'missing/folder/' does not exist"),
+        (["--device", "cuda"], False, "--device cuda: PyTorch sees no CUDA device here"),
+        (
+            ["--device", "cuda", "--pytorch_kernel"],
+            True,
+            "--pytorch_kernel and --whole_context compare the CPU decode kernel and its context cut: drop them",
+        ),
     ],
 )
-def test_threads_and_model_names_are_checked_before_anything_loads(argv, words, capsys, monkeypatch):
+def test_threads_devices_and_model_names_are_checked_before_anything_loads(
+    argv, cuda_visible, words, capsys, monkeypatch
+):
     from optimum.habana.cli.benchmarks import long_context_decode
 
     def nothing_loads(*args, **kwargs):
         raise AssertionError("a model was built")
 
     monkeypatch.setattr(long_context_decode, "build_model", nothing_loads)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda_visible)
     with pytest.raises(SystemExit) as exit_info:
         load_script(SCRIPT).main(argv)
     assert exit_info.value.code == 2

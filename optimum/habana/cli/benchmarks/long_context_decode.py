@@ -131,12 +131,17 @@ class ReadProbe:
 
 
 def decode_paths(
-    spec: ModelSpec, dtype: torch.dtype, seed: int, pytorch_kernel: bool = False, whole_context: bool = False
+    spec: ModelSpec,
+    dtype: torch.dtype,
+    seed: int,
+    pytorch_kernel: bool = False,
+    whole_context: bool = False,
+    device: torch.device | str = "cpu",
 ) -> list[DecodePath]:
-    """The four paths over one set of weights (the stock models share the Gaudi model's tensors), and on request the
-    flag on PyTorch's flash kernel (`pytorch_kernel`), and with each decode step's context in one call of it
-    (`whole_context`): what the decode kernel and the context cut gain."""
-    ours = build_model(spec, "flash", dtype, seed).eval()
+    """The four paths over one set of weights (the stock models share the Gaudi model's tensors) on `device`, and on
+    request the flag on PyTorch's flash kernel (`pytorch_kernel`), and with each decode step's context in one call of
+    it (`whole_context`): what the CPU's decode kernel and the context cut gain."""
+    ours = build_model(spec, "flash", dtype, seed).eval().to(device)
     stock = {}
     for attention in ("sdpa", "eager"):
         try:
@@ -145,7 +150,7 @@ def decode_paths(
         except ValueError:  # a family whose stock class has no sdpa (gpt-oss): its rows compare with stock eager
             continue
         model.load_state_dict(ours.state_dict(), assign=True)
-        stock[attention] = model
+        stock[attention] = model.to(device)  # its buffers (rotary frequencies) were not assigned
     paths = [
         DecodePath("flag", ours, {"use_flash_attention": True}, growing_cache=True),
         DecodePath("default", ours, {"use_flash_attention": False}, growing_cache=True),
@@ -184,11 +189,14 @@ def absorbed_products_per_token(config: Any) -> int:
     return 2 * layers * config.num_attention_heads * (2 * config.kv_lora_rank + config.qk_rope_head_dim)
 
 
-def absorbed_product_rate(config: Any, context: int, dtype: torch.dtype, repeats: int = 9) -> float:
-    """Floating-point operations per second of the absorbed step's largest product on this machine: every head's
+def absorbed_product_rate(
+    config: Any, context: int, dtype: torch.dtype, device: torch.device, repeats: int = 9
+) -> float:
+    """Floating-point operations per second of the absorbed step's largest product on `device`: every head's
     latent query against `context` cached latents, `[1, H, L] @ [1, L, context]`, as `kernels.latent` runs it."""
     heads, latent = config.num_attention_heads, config.kv_lora_rank
-    rows, cache = torch.randn(1, heads, latent, dtype=dtype), torch.randn(1, context, latent, dtype=dtype)
+    rows = torch.randn(1, heads, latent, dtype=dtype, device=device)
+    cache = torch.randn(1, context, latent, dtype=dtype, device=device)
     return (
         2
         * heads
