@@ -96,6 +96,31 @@ def test_a_half_precision_step_on_cpu_copies_neither_the_up_projection_nor_the_c
     torch.testing.assert_close(found.float(), expected, rtol=2e-2, atol=2e-2)
 
 
+def test_a_half_precision_step_exports_with_any_batch_size():
+    """Compiled or exported, the step keeps one batched product (one product per sequence would fix the batch size)."""
+
+    class Step(torch.nn.Module):
+        def forward(self, query, latent, rotary_key, up_projection):
+            return absorbed_latent_sdpa(query, latent, rotary_key, up_projection, None, scale=0.2)
+
+    heads, nope, rope, latent_size, value_size = 4, 16, 8, 32, 12
+    inputs = [
+        torch.randn(3, heads, 1, nope + rope),
+        torch.randn(3, 1, 20, latent_size),
+        torch.randn(3, 1, 20, rope),
+        torch.randn(heads * (nope + value_size), latent_size),
+    ]
+    batch = torch.export.Dim("batch", min=2, max=64)
+    exported = torch.export.export(
+        Step(),
+        tuple(tensor.bfloat16() for tensor in inputs),
+        dynamic_shapes=({0: batch}, {0: batch}, {0: batch}, None),
+    )
+    five = [torch.cat([tensor] * 2)[:5] if tensor.dim() == 4 else tensor for tensor in inputs]
+    halves = [tensor.bfloat16() for tensor in five]
+    torch.testing.assert_close(exported.module()(*halves), Step()(*halves), rtol=1e-2, atol=1e-2)
+
+
 def test_absorption_is_chosen_where_it_does_less_work():
     # DeepSeek-V3's geometry: latent 512, rotary 64, query/key heads of 128 + 64, values of 128
     assert absorbs(1, 512, 64, 128, 128) and absorbs(170, 512, 64, 128, 128)

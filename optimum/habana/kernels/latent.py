@@ -94,8 +94,9 @@ def cache_scores(
 ) -> torch.Tensor:
     """`scale` x the rows `[B, M, L]` and `[B, M, rope]` against the cached latents `[B, kv, L]` and rotary keys
     `[B, kv, rope]`: `[B, M, kv]`. Where a batched product would copy the cache (`copies_batched_operands`), one
-    product per sequence reads each as it lies."""
-    if copies_batched_operands(latent):
+    product per sequence reads each as it lies (in eager code: compiled, one product keeps the batch size free, and
+    the compiler lays its operands out itself)."""
+    if copies_batched_operands(latent) and not torch.compiler.is_compiling():
         return torch.stack(
             [
                 torch.addmm(rows_rot @ keys.T, rows, latents.T, beta=scale, alpha=scale)
@@ -108,8 +109,8 @@ def cache_scores(
 
 def weighted_latents(weights: torch.Tensor, latent: torch.Tensor) -> torch.Tensor:
     """The weights `[B, M, kv]` times the cached latents `[B, kv, L]`: `[B, M, L]`, one product per sequence where a
-    batched one would copy the cache (`copies_batched_operands`)."""
-    if copies_batched_operands(latent):
+    batched one would copy the cache (`copies_batched_operands`), in eager code as `cache_scores`."""
+    if copies_batched_operands(latent) and not torch.compiler.is_compiling():
         return torch.stack([rows @ latents for rows, latents in zip(weights, latent, strict=True)])
     return torch.bmm(weights, latent)
 
