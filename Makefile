@@ -25,9 +25,10 @@ test-families:
 	$(PYTHON) -m pytest -n $(PYTEST_WORKERS) -m families $(FAMILY_TESTS)
 
 # What .ci/cuda-check installs on a lent GPU machine, which reaches no package index: this package's transformers
-# (the machine's image has an older one) and the test helpers' gguf. Carry .cuda-wheels with the run.
+# (the machine's image has an older one) and the requirements its image lacks (gguf, platformdirs). Carry
+# .cuda-wheels with the run.
 cuda-wheels:
-	$(PYTHON) -m pip download --no-deps --dest .cuda-wheels "transformers$$($(PYTHON) -c "from optimum.habana.version import TRANSFORMERS_REQUIREMENT as r; print(r)")" gguf
+	$(PYTHON) -m pip download --no-deps --dest .cuda-wheels "transformers$$($(PYTHON) -c "from optimum.habana.version import TRANSFORMERS_REQUIREMENT as r; print(r)")" gguf platformdirs
 
 quality:
 	$(PYTHON) -m ruff check .
