@@ -147,6 +147,10 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
             "--pytorch_kernel and --whole_context compare the CPU decode kernel and its context cut: drop them with "
             "--device cuda."
         )
+    if arguments.device == "cuda" and arguments.profile:
+        parser.error(
+            "--profile reads the CPU's operators (a GPU's time would show as Python): drop it with --device cuda."
+        )
     if arguments.threads is not None and arguments.threads < 1:
         parser.error(f"--threads must be at least 1, got {arguments.threads} (leave it out for torch's own count).")
     if arguments.model_name_or_path not in PRESETS:
@@ -260,7 +264,10 @@ def main(argv: list[str] | None = None, control_malloc: bool = False) -> int:
                             f"{timing.cache_bytes / MIB:.0f} / {needed / MIB:.0f}" if dense else "-"
                         ),
                         "step peak [MiB]": f"{timing.step_peak_bytes / MIB:.0f}" if dense else "-",
-                        "tokens": "same" if torch.equal(timing.tokens, timings["default"].tokens) else "differ",
+                        # the engine's tokens come back on the CPU, the dense paths' on the device
+                        "tokens": "same"
+                        if torch.equal(timing.tokens.cpu(), timings["default"].tokens.cpu())
+                        else "differ",
                     }
                 )
     print(tabulate(rows, headers="keys", tablefmt="github", disable_numparse=True))

@@ -179,6 +179,7 @@ def test_bad_arguments_are_usage_errors(argv):
             True,
             "--pytorch_kernel and --whole_context compare the CPU decode kernel and its context cut: drop them",
         ),
+        (["--device", "cuda", "--profile", "flag"], True, "--profile reads the CPU's operators"),
     ],
 )
 def test_threads_devices_and_model_names_are_checked_before_anything_loads(
