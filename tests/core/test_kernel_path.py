@@ -167,3 +167,23 @@ def test_on_gaudi_the_sinks_go_to_fusedsdpa_or_one_more_key_with_equal_head_size
         torch.testing.assert_close(output.detach().double(), expected, rtol=1e-5, atol=1e-5)
     finally:
         hpu.hpu_kernel.cache_clear()
+
+
+def test_grouped_heads_are_repeated_where_cudas_float32_kernel_takes_no_groups(monkeypatch):
+    """On CUDA in float32 only PyTorch's memory-efficient kernel is fused, and it takes no grouped heads: the call's
+    key and value heads are repeated for it. Here the rule is forced on the CPU's tensors, whose kernel takes both."""
+    assert not dispatch.heads_expanded_for_cuda(torch.empty(1, 8, 4, 16), torch.empty(1, 2, 4, 16))  # not CUDA
+    query, key, value = torch.randn(2, 8, 6, 16), torch.randn(2, 2, 6, 16), torch.randn(2, 2, 6, 16)
+    expected = dispatch._torch_fused_sdpa(query, key, value, None, is_causal=True, scale=None, dropout_p=0.0)
+    seen, sdpa = [], torch.nn.functional.scaled_dot_product_attention
+
+    def recorded(*arguments, **options):
+        seen.append((arguments, options))
+        return sdpa(*arguments, **options)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recorded)
+    monkeypatch.setattr(dispatch, "heads_expanded_for_cuda", lambda query, key: query.shape[1] != key.shape[1])
+    found = dispatch._torch_fused_sdpa(query, key, value, None, is_causal=True, scale=None, dropout_p=0.0)
+    ((arguments, options),) = seen
+    assert arguments[1].shape[1] == arguments[2].shape[1] == 8 and not options["enable_gqa"]
+    torch.testing.assert_close(found, expected, rtol=0, atol=1e-6)

@@ -15,7 +15,7 @@ from transformers import CompileConfig, LlamaConfig
 from optimum.habana import gaudi_model_class
 from tests.core.test_continuous_batching import one_by_one, prompts, served_with_the_flag
 from tests.families.support import LENGTHS, assert_same_steps, family_pair, greedy
-from tests.helpers import left_padded_batch
+from tests.helpers import count_attention_paths, left_padded_batch
 
 
 DEVICE = torch.device(os.environ.get("CUDA_CHECK_DEVICE", "cuda"))
@@ -57,13 +57,17 @@ def test_every_step_of_a_padded_batch_gives_stock_eagers_logits_in_float32(model
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_flag_runs_a_fused_kernel_and_never_the_math_one(dtype):
-    """A left-padded prompt and its decode steps: every attention call on one of PyTorch's fused kernels (bfloat16:
-    flash attention itself where the device has it), none on the math fallback."""
+def test_the_flag_runs_a_fused_kernel_for_every_call_and_never_the_math_one(dtype, monkeypatch):
+    """A left-padded prompt of grouped heads and its decode steps: every attention call on the flag's fused dispatch
+    (none on the default path: in float32 on CUDA the grouped heads are repeated for the memory-efficient kernel),
+    PyTorch's fused kernels running (bfloat16: flash attention itself where the device has it), the math one never."""
     ours, _ = family_pair("llama")
     ours = ours.to(DEVICE, dtype)
+    assert ours.config.num_key_value_heads < ours.config.num_attention_heads
     inputs = on_device(left_padded_batch(LENGTHS))
-    names = operators_run(lambda: greedy(ours, inputs, use_flash_attention=True))
+    with count_attention_paths(monkeypatch, profile=False) as counts:
+        names = operators_run(lambda: greedy(ours, inputs, use_flash_attention=True))
+    assert counts["fused"] > 0 and counts["default"] == 0, counts
     assert names & FUSED_OPERATORS[DEVICE.type] and MATH_OPERATOR not in names
     if dtype == torch.bfloat16 and DEVICE.type == "cuda":
         assert "aten::_scaled_dot_product_flash_attention" in names

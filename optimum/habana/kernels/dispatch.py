@@ -355,6 +355,9 @@ def _torch_fused_sdpa(
     dropout_p: float,
 ) -> torch.Tensor:
     backends = _CUDA_BACKENDS if query.device.type == "cuda" else _OTHER_BACKENDS
+    if heads_expanded_for_cuda(query, key):
+        groups = query.shape[1] // key.shape[1]
+        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
     options = {
         "attn_mask": attn_mask,
         "dropout_p": dropout_p,
@@ -385,6 +388,14 @@ def _torch_fused_sdpa(
             f"PyTorch has no fused attention kernel for these inputs on {query.device.type} "
             f"(dtype {query.dtype}, dropout {dropout_p}): {reasons}"
         ) from None
+
+
+def heads_expanded_for_cuda(query: torch.Tensor, key: torch.Tensor) -> bool:
+    """Whether a call's key and value heads are repeated for each query head before PyTorch's CUDA kernels see them:
+    in float32 only the memory-efficient kernel runs there (flash and cuDNN take half precision), and it takes no
+    grouped heads (PyTorch's `sdp_utils.cpp`), so a grouped call would find no fused kernel and fall back to the
+    default path's N x N scores. The repeated heads cost memory in proportion to the sequence, not its square."""
+    return query.device.type == "cuda" and query.dtype == torch.float32 and query.shape[1] != key.shape[1]
 
 
 def _pytorch_choice(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, options: dict) -> int | None:
