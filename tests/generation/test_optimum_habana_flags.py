@@ -546,6 +546,24 @@ def test_explain_counts_the_keys_of_shared_attention_blocks(script, tmp_path, mo
         assert said == {key_range(seen[-1, phase])}, (phase, said)
 
 
+def test_explain_counts_deepseek_v4s_compressed_blocks(script, tmp_path, monkeypatch):
+    """DeepSeek V4's compressed layers attend over their window's keys and one more key per `compress_rate` tokens
+    seen (here 4 in its sparse layer, 128 in the others): --explain counted the window's alone (34 where the prompt's
+    calls read 42)."""
+    from tests.families.support import save_family_checkpoint
+    from tests.helpers import train_tiny_tokenizer
+
+    checkpoint = save_family_checkpoint(tmp_path, "deepseek_v4", train_tiny_tokenizer(chat_template=True))
+    argv = ["--model_name_or_path", str(checkpoint), "--use_flash_attention", "--max_new_tokens", "6"]
+    argv += ["--batch_size", "2", "--n_iterations", "1", "--warmup", "0"]
+    explained = explained_key_lengths(explain(parse(argv)))
+    seen = record_key_lengths(monkeypatch)
+    run_in_process(script, argv, tmp_path / "run")
+    real = {key: key_range(lengths) for key, lengths in seen.items()}
+    assert real == explained
+    assert real[2, "prefill"] != real[0, "prefill"]  # the sparse layer's blocks: more keys than the prompt's
+
+
 def test_explain_on_gaudi_names_the_cache_generate_builds_there():
     """On Gaudi generate() builds a bucketed static cache of prompt + new tokens - 1 slots, windows at the whole
     length; DeepSeek V4, which transformers builds no static cache for, keeps the dynamic one (`generation_cache`)."""

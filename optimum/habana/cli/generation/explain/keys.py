@@ -10,6 +10,7 @@ nothing computed).
 import torch
 from transformers import DynamicCache, PreTrainedConfig, StaticCache
 from transformers.cache_utils import Cache, DummyLayer
+from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4HCACache
 
 from optimum.habana.transformers.cache import BucketedStaticCache, static_cache_problem
 from optimum.habana.transformers.generation.utils import generation_cache
@@ -81,7 +82,7 @@ def group_lengths(
         positions = torch.arange(past, past + new_tokens, device="meta")
         for index in seen:
             keys, _ = cache.update(states, states, index, {"cache_position": positions})
-            seen[index].append(keys.shape[2])
+            seen[index].append(keys.shape[2] + compressed_entries(cache.layers[index], past + new_tokens))
         past += new_tokens
     result = []
     for indices in layers:
@@ -96,6 +97,13 @@ def group_lengths(
             lengths["decode"] = (min(steps), max(steps))
         result.append(lengths)
     return result
+
+
+def compressed_entries(layer: object, tokens: int) -> int:
+    """The keys a layer's attention reads beyond its cache's own after `tokens` tokens: DeepSeek V4's compressed
+    blocks, one per `compress_rate` tokens, every one of them on the key axis after the window's keys (its sparse
+    layers' indexer masks the ones it does not pick; it does not drop them)."""
+    return tokens // layer.compress_rate if isinstance(layer, DeepseekV4HCACache) else 0
 
 
 def holds_keys(cache: Cache, index: int) -> bool:

@@ -104,6 +104,8 @@ def layer_variant(module: torch.nn.Module, config) -> str:
         parts.append(f"latent attention: query/key heads of {key_size}, value heads of {value_size}")
     if getattr(module, "indexer", None) is not None:
         parts.append(f"sparse: the indexer's {getattr(config, 'index_topk', '?')} keys per query, as a mask")
+    if isinstance(rate := getattr(getattr(module, "compressor", None), "compress_rate", None), int):  # DeepSeek V4
+        parts.append(f"compressed blocks: one more key per {rate} tokens")
     if getattr(config, "is_heterogeneous", False):
         heads = getattr(module, "num_heads", None) or getattr(
             getattr(module, "config", None), "num_attention_heads", "?"
