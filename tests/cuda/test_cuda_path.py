@@ -13,6 +13,7 @@ from torch._dynamo.utils import counters
 from transformers import CompileConfig, LlamaConfig
 
 from optimum.habana import gaudi_model_class
+from optimum.habana.utils.devices import memory_stats, reset_peak_memory, synchronize
 from tests.core.test_continuous_batching import one_by_one, prompts, served_with_the_flag
 from tests.families.support import LENGTHS, assert_same_steps, family_pair, greedy
 from tests.helpers import count_attention_paths, left_padded_batch
@@ -107,13 +108,13 @@ def test_a_long_prompt_holds_no_score_matrix():
     input_ids = torch.randint(3, 256, (1, 8192), device=DEVICE)
     extra = {}
     for flag in (True, False):
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        before = torch.cuda.memory_allocated()
+        synchronize(DEVICE)
+        reset_peak_memory(DEVICE)
+        before = memory_stats(DEVICE)["allocated"]
         with torch.no_grad():
             model(input_ids=input_ids, use_cache=False, logits_to_keep=1, use_flash_attention=flag)
-        torch.cuda.synchronize()
-        extra[flag] = torch.cuda.max_memory_allocated() - before
+        synchronize(DEVICE)
+        extra[flag] = memory_stats(DEVICE)["max_allocated"] - before
     scores = 8 * 8192 * 8192 * 4
     assert extra[False] >= scores and extra[True] < scores / 8, extra
 
