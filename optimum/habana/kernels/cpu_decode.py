@@ -71,7 +71,7 @@ def cpu_decode_applies(
     if (
         (not into_graph and any(type(tensor) is not torch.Tensor for tensor in (query, key, value)))  # no memory
         or query.device.type != "cpu"
-        or (is_tracing(query) and not into_graph)
+        or (not into_graph and torch.jit.is_tracing())  # the tensors' types above rule out FX's and dynamo's
         or query.dtype not in CACHE_DTYPES
         or len({query.dtype, key.dtype, value.dtype}) > 1
         or is_causal

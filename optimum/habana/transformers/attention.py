@@ -306,7 +306,10 @@ def local_extent(module: nn.Module, sliding_window: int | None, q_len: int) -> t
     The window comes as the family passes it, or, like the chunk, from transformers' own convention for local layers
     (`config.layer_types[layer_idx]` with `config.sliding_window` or `config.attention_chunk_size`), which its masks
     follow; a family without layer kinds whose mask builder windows by the config alone (PhiMoE) has
-    `config.sliding_window` on every layer."""
+    `config.sliding_window` on every layer. One query (a decode step) reaches past no window or chunk: the config is
+    not read (its attributes cost microseconds a read, on every layer of every step)."""
+    if q_len <= 1:
+        return None, None
     config = getattr(module, "config", None)
     layer_types = getattr(config, "layer_types", None) or ()
     layer_index = getattr(module, "layer_idx", None)
