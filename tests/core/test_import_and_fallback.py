@@ -12,7 +12,7 @@ import torch
 from optimum.habana import GaudiLlamaForCausalLM
 from optimum.habana.kernels import dispatch
 from optimum.habana.transformers.attention import matmul_softmax_attention
-from optimum.habana.utils import requirements
+from optimum.habana.utils import devices, requirements
 from optimum.habana.version import TRANSFORMERS_REQUIREMENT, __version__
 from tests.helpers import ROOT, count_attention_paths, tiny_llama_config
 
@@ -123,10 +123,18 @@ def test_default_path_grouped_query_attention_matches_repeated_heads():
     assert weights.shape == (2, 6, 5, 5) and torch.all(weights.triu(1) == 0)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_the_default_paths_weights_meet_the_values_in_the_layout_the_cpu_product_is_fast_in(dtype, monkeypatch):
-    """A half-precision product on CPU gets the weights column-major (`weights_for_value_product`): the same
-    output, and the weights returned still receive their gradient; float32 gets them as they are."""
+@pytest.mark.parametrize(
+    ("dtype", "native", "column_major"),
+    [(torch.bfloat16, False, True), (torch.bfloat16, True, False), (torch.float32, False, False)],
+    ids=["bfloat16 emulated", "bfloat16 native", "float32"],
+)
+def test_the_default_paths_weights_meet_the_values_in_the_layout_the_cpu_product_is_fast_in(
+    dtype, native, column_major, monkeypatch
+):
+    """A half-precision product on a CPU without instructions for it gets the weights column-major
+    (`weights_for_value_product`), on a CPU with them row-major, as float32 always: the same output, and the weights
+    returned still receive their gradient."""
+    monkeypatch.setattr(dispatch, "CPU_NATIVE_PRODUCTS", frozenset({dtype} if native else ()))
     generator = torch.Generator().manual_seed(0)
     query = torch.randn(2, 6, 5, 8, generator=generator).to(dtype).requires_grad_(True)
     key, value = (torch.randn(2, 2, 5, 8, generator=generator).to(dtype) for _ in range(2))
@@ -142,7 +150,25 @@ def test_the_default_paths_weights_meet_the_values_in_the_layout_the_cpu_product
     monkeypatch.undo()
     assert torch.equal(output, expected)
     layouts = [operand.stride(-2) == 1 for operand in operands[1:]]  # the first product is the scores'
-    assert layouts == [dtype == torch.bfloat16]
+    assert layouts == [column_major]
     weights.retain_grad()
     output.float().sum().backward()
     assert weights.grad is not None and query.grad is not None
+
+
+@pytest.mark.parametrize(
+    ("flags", "native"),
+    [
+        ({"avx2", "amx_bf16", "avx512_fp16"}, {torch.bfloat16, torch.float16}),
+        ({"avx2", "avx512_bf16"}, {torch.bfloat16}),
+        ({"avx2", "fma"}, set()),
+        (
+            {"asimd", "bf16"},
+            set(),
+        ),  # Arm's BF16: not measured, so it keeps the layout measured without such instructions
+        (None, set()),  # /proc/cpuinfo unreadable
+    ],
+)
+def test_the_cpus_native_half_precision_products_come_from_its_instruction_sets(flags, native, monkeypatch):
+    monkeypatch.setattr(devices, "cpu_flags", lambda: flags)
+    assert devices.cpu_native_products() == native

@@ -16,6 +16,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers.utils.import_utils import is_tracing
 
 from ..hpu import HPUKernel, hpu_kernel, missing_kernel, on_hpu
+from ..utils.devices import cpu_native_products
 from .cpu_decode import cpu_decode_applies, cpu_decode_sdpa
 from .decode import query_groups_as_rows
 from .sinks import SINK_COLUMNS, with_sink_key
@@ -28,6 +29,8 @@ PaddingSide = Literal["left", "right"]
 # Fused backends only: the math backend materialises the score matrix, which is what flash attention avoids.
 _CUDA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]
 _OTHER_BACKENDS = [SDPBackend.FLASH_ATTENTION]
+# The half-precision dtypes this CPU multiplies natively, read once (a constant to compiled graphs)
+CPU_NATIVE_PRODUCTS = cpu_native_products()
 
 
 class FusedSDPAUnavailable(RuntimeError):
@@ -72,11 +75,17 @@ class KernelPath(NamedTuple):
 
 def weights_for_value_product(weights: torch.Tensor) -> torch.Tensor:
     """Attention weights `[..., rows, kv]` laid out for their product with the values `[..., kv, D]` (the default
-    path's, latent attention's): column-major for a CPU product of half-precision numbers, which PyTorch runs 10-25x
-    faster that way on a CPU without instructions of their own (AVX2: 10.3 -> 0.6 ms for 3 heads of 3 rows at 8192
-    tokens in bfloat16, 330 -> 12 ms for DeepSeek-V3's latent); as they are elsewhere (float32 on CPU: the copy costs
+    path's, latent attention's): column-major for a CPU product of half-precision numbers on a CPU without
+    instructions of their own for them, where PyTorch runs it 10-25x faster that way (AVX2: 10.3 -> 0.6 ms for 3
+    heads of 3 rows at 8192 tokens in bfloat16, 330 -> 12 ms for DeepSeek-V3's latent); as they are elsewhere: on a
+    CPU with them (`CPU_NATIVE_PRODUCTS`; an Intel Xeon with AMX: the column-major copy and product took 1.8-4x the
+    row-major product, 2.0 against 1.1 ms for DeepSeek-V3's latent at 8192 tokens), and in float32 (the copy costs
     more than it gains). A copy of the weights, differentiable, never of the cache."""
-    if weights.device.type == "cpu" and weights.dtype in (torch.bfloat16, torch.float16):
+    if (
+        weights.device.type == "cpu"
+        and weights.dtype in (torch.bfloat16, torch.float16)
+        and weights.dtype not in CPU_NATIVE_PRODUCTS
+    ):
         return weights.transpose(-1, -2).contiguous().transpose(-1, -2)
     return weights
 
