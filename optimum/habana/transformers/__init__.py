@@ -1,7 +1,8 @@
 """The Gaudi attention and the models and generation utilities built on it."""
 
-from .attention import ATTENTION_IMPLEMENTATION, gaudi_attention_forward, matmul_softmax_attention
+from .attention import gaudi_attention_forward, matmul_softmax_attention
 from .attention_flags import ATTENTION_FLAG_NAMES, AttentionFlags, resolve_attention_flags
+from .config_view import ATTENTION_IMPLEMENTATION
 from .generation import GaudiGenerationConfig, GaudiGenerationMixin
 from .modeling_utils import ATTENTION_IMPLEMENTATIONS, GaudiAttentionMixin
 from .models import (

@@ -16,7 +16,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers import PreTrainedConfig
 from transformers.generation.continuous_batching.cache import PagedAttentionCache
 from transformers.utils.generic import TransformersKwargs
 
@@ -36,15 +35,15 @@ from ..kernels.variable_length import (
     padded_causal_sdpa,
     segmented_sdpa,
 )
-from .attention_flags import DEFAULT_PATH_FLAGS, AttentionFlags, attention_flags_of, call_attention_flags
+from .attention_flags import DEFAULT_PATH_FLAGS, AttentionFlags, call_attention_flags
 from .batch_layout import paged_segments
+from .config_view import model_flag_defaults
 from .families.lookups import family_is_windowed
 from .latent_attention import absorbable_up_projection, expanded, receives_compressed_latent
 from .paged_attention import check_cache_geometry, paged_step_in_place
 from .planned_masks import blocked_float_rows_attend, is_real_keys_only, planned_mask, prompt_mask, scored_mask
 
 
-ATTENTION_IMPLEMENTATION = "gaudi"
 # Optimum-Habana's name for the fused attention; registered as the same function.
 FUSED_SDPA_IMPLEMENTATION = "gaudi_fused_sdpa"
 
@@ -464,39 +463,3 @@ def matmul_softmax_attention(
     output = torch.matmul(weights_for_value_product(weights.view(batch, kv_heads, groups * q_len, kv_len)), value)
     output = output.view(batch, heads, q_len, -1).transpose(1, 2).contiguous()
     return output, weights
-
-
-class AttentionConfigView:
-    """A model config as the attention layers of a Gaudi model read it, with the model's own flag defaults.
-
-    Every value is read live from the model's config, except `_attn_implementation`, which names the Gaudi
-    attention. The config itself keeps what the user asked for ("eager", "sdpa", ...), where transformers' own
-    checks and the mask construction read it, while every layer's attention lookup still finds the Gaudi attention.
-    The view also holds the model's generation config, whose flags are the defaults of an attention call that
-    carries none: one that enters below the causal LM (TRL calls the decoder, `model.base_model`, directly).
-    """
-
-    _attn_implementation = ATTENTION_IMPLEMENTATION
-
-    def __init__(self, config: PreTrainedConfig, model_generation_config: Any = None) -> None:
-        object.__setattr__(self, "config", config)
-        object.__setattr__(self, "model_generation_config", model_generation_config)
-
-    def __getattr__(self, name: str):
-        return getattr(self.config, name)
-
-    def __setattr__(self, name: str, value) -> None:
-        if name == "model_generation_config":  # the model's generation config was replaced
-            object.__setattr__(self, name, value)
-        else:
-            setattr(self.config, name, value)
-
-    def __reduce__(self):
-        # Pickled and deep-copied models keep a live view of their own (copied) config and generation config.
-        return AttentionConfigView, (self.config, self.model_generation_config)
-
-
-def model_flag_defaults(module: nn.Module) -> dict[str, bool | None]:
-    """The flags a Gaudi model's generation config sets, read from the attention module's view; none elsewhere."""
-    config = getattr(module, "config", None)
-    return attention_flags_of(config.model_generation_config) if isinstance(config, AttentionConfigView) else {}

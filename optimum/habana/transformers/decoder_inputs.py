@@ -21,9 +21,9 @@ import torch
 from torch import nn
 
 from ..kernels.dispatch import warn_once
-from .attention import AttentionConfigView
 from .attention_flags import ATTENTION_FLAG_NAMES, attention_flags_of, check_flag_spelling, resolve_attention_flags
 from .batch_layout import plan_batch_layout
+from .config_view import AttentionConfigView
 from .context_parallel import check_no_foreign_split
 
 

@@ -34,7 +34,7 @@ from transformers.utils import CONFIG_NAME
 from transformers.utils.generic import TransformersKwargs
 
 from ..utils.atomic import atomic_write_text
-from .attention import ATTENTION_IMPLEMENTATION, FUSED_SDPA_IMPLEMENTATION, AttentionConfigView
+from .attention import FUSED_SDPA_IMPLEMENTATION
 from .attention_flags import (
     ATTENTION_FLAG_NAMES,
     DEFAULT_PATH_FLAGS,
@@ -53,6 +53,7 @@ from .batch_layout import (
     prompt_is_planned,
 )
 from .cache import BucketedStaticCache
+from .config_view import ATTENTION_IMPLEMENTATION, AttentionConfigView
 from .continuous_batching import ChosenAttnImplementation, engine_flags, init_manager, with_call_flags
 from .decoder_inputs import prepare_decoder_call
 from .families.lookups import attention_with_its_own_mask, family_is_windowed, family_runs_mask_free

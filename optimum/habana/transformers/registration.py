@@ -19,12 +19,8 @@ from torch import nn
 from transformers import AttentionInterface, PreTrainedConfig
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from .attention import (
-    ATTENTION_IMPLEMENTATION,
-    FUSED_SDPA_IMPLEMENTATION,
-    AttentionConfigView,
-    gaudi_attention_forward,
-)
+from .attention import FUSED_SDPA_IMPLEMENTATION, gaudi_attention_forward
+from .config_view import ATTENTION_IMPLEMENTATION, AttentionConfigView
 from .families.reports import family_report
 
 
