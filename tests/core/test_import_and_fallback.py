@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from optimum.habana import GaudiLlamaForCausalLM
-from optimum.habana.kernels import dispatch
+from optimum.habana.kernels import cpu_features, dispatch
 from optimum.habana.transformers.attention import matmul_softmax_attention
-from optimum.habana.utils import devices, requirements
+from optimum.habana.utils import requirements
 from optimum.habana.version import TRANSFORMERS_REQUIREMENT, __version__
 from tests.helpers import ROOT, count_attention_paths, tiny_llama_config
 
@@ -170,5 +170,5 @@ def test_the_default_paths_weights_meet_the_values_in_the_layout_the_cpu_product
     ],
 )
 def test_the_cpus_native_half_precision_products_come_from_its_instruction_sets(flags, native, monkeypatch):
-    monkeypatch.setattr(devices, "cpu_flags", lambda: flags)
-    assert devices.cpu_native_products() == native
+    monkeypatch.setattr(cpu_features, "cpu_flags", lambda: flags)
+    assert cpu_features.cpu_native_products() == native

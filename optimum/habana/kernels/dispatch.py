@@ -16,8 +16,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers.utils.import_utils import is_tracing
 
 from ..hpu import HPUKernel, hpu_kernel, missing_kernel, on_hpu
-from ..utils.devices import cpu_native_products
 from .cpu_decode import cpu_decode_applies, cpu_decode_sdpa
+from .cpu_features import cpu_native_products
 from .decode import query_groups_as_rows
 from .sinks import SINK_COLUMNS, with_sink_key
 from .split_context import context_splits, split_context_sdpa

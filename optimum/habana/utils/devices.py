@@ -12,6 +12,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from .. import hpu
+from ..kernels.cpu_features import cpu_flags
 
 
 DEVICE_CHOICES = ("auto", "cpu", "cuda", "hpu")
@@ -34,35 +35,12 @@ def resolve_device(name: str = "auto") -> torch.device:
 
 # /proc/cpuinfo flags of CPUs with bfloat16 arithmetic: x86 (AVX512-BF16, AMX) and Arm (FEAT_BF16).
 NATIVE_BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16", "bf16")
-# x86 instructions that multiply half-precision numbers, by dtype: PyTorch's CPU products (oneDNN) use them
-NATIVE_PRODUCT_CPU_FLAGS = {torch.bfloat16: ("avx512_bf16", "amx_bf16"), torch.float16: ("avx512_fp16", "amx_fp16")}
-
-
-def cpu_flags() -> set[str] | None:
-    """The instruction sets /proc/cpuinfo lists (x86's `flags`, Arm's `Features`); None where it cannot be read."""
-    try:
-        cpuinfo = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return None
-    flags = set()
-    for line in cpuinfo.splitlines():
-        if line.startswith(("flags", "Features")):
-            flags.update(line.split(":", 1)[1].split())
-    return flags
 
 
 def cpu_has_native_bf16() -> bool | None:
     """Whether this CPU computes in bfloat16 natively; None where /proc/cpuinfo cannot tell (not Linux)."""
     flags = cpu_flags()
     return None if flags is None else any(flag in flags for flag in NATIVE_BF16_CPU_FLAGS)
-
-
-def cpu_native_products() -> frozenset[torch.dtype]:
-    """The half-precision dtypes this x86 CPU multiplies with instructions of their own (AVX512-BF16 and AMX-BF16 for
-    bfloat16, AVX512-FP16 and AMX-FP16 for float16). Elsewhere, or where /proc/cpuinfo cannot tell, none: not
-    measured on Arm's BF16, so it keeps the layout measured without such instructions."""
-    flags = cpu_flags() or set()
-    return frozenset(dtype for dtype, names in NATIVE_PRODUCT_CPU_FLAGS.items() if flags.intersection(names))
 
 
 def slow_bf16_note(device: torch.device, dtype: torch.dtype) -> str | None:
