@@ -67,37 +67,50 @@ def cpu_decode_applies(
     cache of another length, a mask of another shape or dtype) is left to PyTorch's kernel, which raises."""
     # torch.compile and torch.export record the operator in their graph (its fake implementation gives the shape);
     # torch.jit.trace and FX cannot see its C call (its output would be recorded as a constant).
+    # Each shape is read once: a decode step runs this on every layer, where each read costs a Python object.
     into_graph = _into_graph()
+    if not into_graph and (
+        type(query) is not torch.Tensor or type(key) is not torch.Tensor or type(value) is not torch.Tensor
+    ):
+        return False  # no memory behind them
+    if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
+        return False
+    batch, heads, rows, head_dim = query.shape
+    key_shape, value_shape = key.shape, value.shape
+    value_dim = value_shape[3]
+    dtype = query.dtype
     if (
-        (not into_graph and any(type(tensor) is not torch.Tensor for tensor in (query, key, value)))  # no memory
-        or query.device.type != "cpu"
+        query.device.type != "cpu"
         or (not into_graph and torch.jit.is_tracing())  # the tensors' types above rule out FX's and dynamo's
-        or query.dtype not in CACHE_DTYPES
-        or len({query.dtype, key.dtype, value.dtype}) > 1
+        or dtype not in CACHE_DTYPES
+        or key.dtype != dtype
+        or value.dtype != dtype
         or is_causal
         or dropout_p
-        or query.shape[2] > MAX_QUERY_ROWS
-        or len({query.shape[1], key.shape[1], value.shape[1]}) > 1
-        or query.shape[-1] != key.shape[-1]  # values may be of another size (latent attention)
-        or max(query.shape[-1], value.shape[-1]) > MAX_HEAD_DIM
-        or query.shape[0] != key.shape[0]
-        or key.shape[:3] != value.shape[:3]
-        or any(tensor.stride(-1) != 1 for tensor in (query, key, value))
-        or query.numel() == 0
-        or key.shape[2] == 0
+        or rows > MAX_QUERY_ROWS
+        or key_shape[1] != heads
+        or key_shape[3] != head_dim  # values may be of another size (latent attention)
+        or max(head_dim, value_dim) > MAX_HEAD_DIM
+        or key_shape[0] != batch
+        or key_shape[:3] != value_shape[:3]
+        or query.stride(3) != 1
+        or key.stride(3) != 1
+        or value.stride(3) != 1
+        or batch * heads * rows * head_dim == 0
+        or key_shape[2] == 0
     ):
         return False
-    if torch.is_grad_enabled() and any(tensor.requires_grad for tensor in (query, key, value)):
+    if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad):
         return False
-    if sinks is not None and not _sinks_fit(sinks, *query.shape[:3]):
+    if sinks is not None and not _sinks_fit(sinks, batch, heads, rows):
         return False
     if attn_mask is not None and (
         type(attn_mask) is not torch.Tensor
         or not (attn_mask.dtype == torch.bool or attn_mask.is_floating_point())
-        or not _mask_fits(attn_mask, (*query.shape[:3], key.shape[2]))
+        or not _mask_fits(attn_mask, (batch, heads, rows, key_shape[2]))
     ):
         return False  # PyTorch's kernel then says what is wrong with it
-    return kernel_ready(query.shape[-1], value.shape[-1], query.dtype)
+    return kernel_ready(head_dim, value_dim, dtype)
 
 
 def _sinks_fit(sinks: torch.Tensor, batch: int, heads: int, rows: int) -> bool:

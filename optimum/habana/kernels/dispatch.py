@@ -131,14 +131,10 @@ def kernel_path(
     """The path of a `fused_sdpa` call, decided once, from shapes and settings (`fused_sdpa`'s arguments)."""
     decode_step = query.shape[2] == 1 and not is_causal
     grouped = query.shape[1] != key.shape[1]
-
-    def unequal_widths(sink_key: bool) -> bool:  # the value's head size against the query's, a sink key's included
-        return value.shape[-1] != query.shape[-1] + (SINK_COLUMNS if sink_key else 0)
-
     if on_hpu(query):
         sink_key = sinks is not None and not kernel_takes_sinks(query, key, value, sinks)
         query_rows = decode_step and grouped and (sinks is None or sink_key)  # FusedSDPA's sinks: one per query head
-        return KernelPath(sink_key, query_rows, unequal_widths(sink_key), "FusedSDPA")
+        return KernelPath(sink_key, query_rows, unequal_widths(query, value, sink_key), "FusedSDPA")
     query_rows = decode_step and grouped
     rows, rows_mask = query_groups_as_rows(query, key.shape[1], attn_mask) if query_rows else (query, attn_mask)
     rows_sinks = None if sinks is None else decode_kernel_sinks(sinks, key.shape[1], query_rows)
@@ -152,13 +148,18 @@ def kernel_path(
         # join as one more piece.
         return KernelPath(False, query_rows, False, "split_context", splits)
     sink_key = sinks is not None
-    if unequal_widths(sink_key):
+    if unequal_widths(query, value, sink_key):
         if rows.shape[2] == 1:
             # One row of scores per head, whatever the kernel: PyTorch's own choice takes unequal sizes as they are
             # (its math kernel on CPU), where padding the value would copy the whole value cache at every step.
             return KernelPath(sink_key, query_rows, False, "pytorch")
         return KernelPath(sink_key, query_rows, True, "pytorch_fused")
     return KernelPath(sink_key, query_rows, False, "pytorch_fused")
+
+
+def unequal_widths(query: torch.Tensor, value: torch.Tensor, sink_key: bool) -> bool:
+    """Whether the value's head size differs from the query's, a sink key's columns included."""
+    return value.shape[-1] != query.shape[-1] + (SINK_COLUMNS if sink_key else 0)
 
 
 def decode_kernel_sinks(sinks: torch.Tensor, kv_heads: int, query_rows: bool) -> torch.Tensor:
