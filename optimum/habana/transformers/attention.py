@@ -37,7 +37,7 @@ from ..kernels.variable_length import (
 )
 from .attention_flags import DEFAULT_PATH_FLAGS, AttentionFlags, call_attention_flags
 from .batch_layout import paged_segments
-from .config_view import model_flag_defaults
+from .config_view import AttentionConfigView, model_flag_defaults  # noqa: F401  (the view: pickles made before it moved)
 from .families.lookups import family_is_windowed
 from .latent_attention import absorbable_up_projection, expanded, receives_compressed_latent
 from .paged_attention import check_cache_geometry, paged_step_in_place
